@@ -1,0 +1,68 @@
+"""Build specdec_kernels: the op schemas (C++) always, the fused CUDA kernel when it can.
+
+The CUDA extension is built whenever torch is a CUDA build and the CUDA toolkit is found
+(CUDA_HOME, CUDA_PATH or /usr/local/cuda) -- never because a GPU is visible, so a CPU-only
+machine with the toolkit compiles it too. SPECDEC_SKIP_CUDA=1 skips it. SPECDEC_CUDA_ARCHS
+(default "80;90") picks the SASS targets; PTX for the newest one is embedded for newer GPUs.
+Build without isolation: the extension compiles against the torch already installed.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+# nvcc on PATH may be a wrapper script (/usr/local/bin/nvcc): torch would then guess
+# CUDA_HOME=/usr/local and fail to link -lcudart. Point it at the toolkit instead.
+if not os.environ.get("CUDA_HOME") and not os.environ.get("CUDA_PATH"):
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SKIP_CUDA = os.environ.get("SPECDEC_SKIP_CUDA", "0") == "1"
+BUILD_CUDA = (not SKIP_CUDA) and torch.version.cuda is not None and CUDA_HOME is not None
+CUDA_SOURCES = sorted(f for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".cu"))
+
+
+def cuda_arch_flags():
+    archs = [a.strip() for a in os.environ.get("SPECDEC_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    return flags
+
+
+def extensions():
+    sources = ["csrc/ops.cpp"]
+    cxx = ["-O3"]  # torch adds the -std it was built with
+    if not BUILD_CUDA:
+        return [CppExtension("specdec_kernels._C", sources, extra_compile_args={"cxx": cxx})]
+    nvcc = ["-O3", "--use_fast_math", "-lineinfo", *cuda_arch_flags()]
+    return [
+        CUDAExtension(
+            "specdec_kernels._C",
+            sources + [f"csrc/{f}" for f in CUDA_SOURCES],
+            include_dirs=[os.path.join(HERE, "csrc")],
+            extra_compile_args={"cxx": cxx + ["-DSPECDEC_WITH_CUDA"], "nvcc": nvcc},
+        )
+    ]
+
+
+print(f"specdec_kernels: building the CUDA kernel: {BUILD_CUDA} "
+      f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}, SPECDEC_SKIP_CUDA={SKIP_CUDA})")
+
+setup(
+    name="specdec_kernels",
+    version="0.1.0",
+    description="Fused GPU kernels for the verify step of speculative decoding",
+    packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": ["pytest", "scipy", "hypothesis", "triton>=3.0"],
+        "bench": ["matplotlib", "triton>=3.0"],
+    },
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

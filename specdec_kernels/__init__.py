@@ -1,0 +1,12 @@
+"""specdec_kernels: fused kernels for the verify step of speculative decoding.
+
+``torch.ops.specdec.rejection_sample`` verifies chains of drafts; the Python functions below
+validate, pick a backend and document the arguments. See README.md and docs/ALGORITHM.md.
+"""
+from . import ops  # noqa: F401  (registers the ops' Python kernels)
+from .backends import available_backends
+from .chain import rejection_sample, rejection_sample_padded
+from .reference import rejection_sample_reference
+
+__all__ = ["available_backends", "rejection_sample", "rejection_sample_padded", "rejection_sample_reference"]
+__version__ = "0.1.0"

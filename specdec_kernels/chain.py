@@ -1,0 +1,146 @@
+"""Chain verification: the Python API of ``torch.ops.specdec.rejection_sample``."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops
+from .backends import resolve_backend
+from .checks import check_rejection_sample_contents, check_rejection_sample_inputs
+from .reference import rejection_sample_reference
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    max_spec_len: int | None = None,
+    *,
+    backend: str | None = None,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a ragged batch of draft chains against the target and sample the final tokens.
+
+    Modified rejection sampling (Leviathan et al. 2022, Chen et al. 2023): the emitted tokens
+    are distributed exactly as autoregressive samples from the target. One fused kernel
+    launch on CUDA, no host-device synchronization, CUDA-graph capturable.
+
+    Parameters
+    ----------
+    target_logits : Tensor [N + B, V], float32 / bfloat16 / float16
+        Request b owns rows ``cu[b] + b .. cu[b+1] + b``: one row per draft position, then
+        its bonus row. Read in their own dtype; any row stride.
+    draft_token_ids : Tensor [N], int32 / int64
+        The drafts, request after request. An id outside [0, V) (e.g. -1) ends the chain: it
+        is never accepted and the final token is sampled from that row's target distribution.
+    cu_num_draft_tokens : Tensor [B + 1], int32 / int64
+        Exclusive offsets of each request's drafts, ``cu[0] = 0``; a request may have 0 drafts.
+    draft_probs : Tensor [N, V] or None
+        Row i = the distribution draft i was sampled from (already standardized). None means
+        deterministic drafts (n-gram, argmax/top-k heads): each draft is a point mass.
+    temperature : Tensor [B] or None
+        Per request; 0 = greedy, None = 1 for every request. Greedy and random requests mix.
+    seeds, offsets : Tensor [B] int64 or None
+        Counter-based random streams (docs/ALGORITHM.md): same seeds and offsets give the
+        same tokens on every backend. Advance ``offsets`` by one per step. Without seeds, they
+        are drawn from torch's generator on the device (one extra small launch).
+    max_spec_len : int or None
+        Output width - 1; requests with more drafts use only the first ``max_spec_len``.
+        None computes the largest draft count, which synchronizes: pass it on the hot path.
+    backend : {"auto", "cuda", "triton", "reference"} or None
+        None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
+    validate : bool or None
+        Also check the values (offsets, ids, temperatures, probabilities); synchronizes.
+        None = $SPECDEC_VALIDATE == "1".
+
+    Returns
+    -------
+    output_token_ids : Tensor [B, max_spec_len + 1], int32
+        The accepted drafts, then the recovered or bonus token, then -1. The final token is
+        -1 only if its target row has no valid logit (all NaN / -inf).
+    num_accepted : Tensor [B], int32
+        Accepted drafts per request (the final token not counted).
+    """
+    if max_spec_len is None and isinstance(cu_num_draft_tokens, torch.Tensor) and cu_num_draft_tokens.numel() > 1:
+        max_spec_len = int((cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).max())
+    elif max_spec_len is None:
+        max_spec_len = 0
+    check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                  temperature, seeds, offsets, max_spec_len)
+    if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
+        check_rejection_sample_contents(target_logits, draft_token_ids, cu_num_draft_tokens,
+                                        draft_probs, temperature, max_spec_len)
+    device = target_logits.device
+    backend = resolve_backend(backend, device)
+    if seeds is None:
+        seeds = ops.draw_seeds(cu_num_draft_tokens.shape[0] - 1, device)
+    args = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
+            offsets, max_spec_len)
+    if backend == "reference":
+        return rejection_sample_reference(*args)
+    if backend == "triton":
+        return ops.rejection_sample_triton(
+            ops.inner_contiguous(target_logits), draft_token_ids, cu_num_draft_tokens,
+            ops.inner_contiguous(draft_probs), temperature, seeds, offsets, max_spec_len)
+    return torch.ops.specdec.rejection_sample(*args)
+
+
+def rejection_sample_padded(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    num_draft_tokens: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` for padded batches: every request has K draft slots.
+
+    Parameters
+    ----------
+    target_logits : Tensor [B, K + 1, V]
+        Row k of request b scores the token after draft k - 1; row K is the bonus row.
+    draft_token_ids : Tensor [B, K]
+    draft_probs : Tensor [B, K, V] or None
+    num_draft_tokens : Tensor [B] or None
+        Drafts actually proposed per request (<= K); slots past it are ignored and the final
+        token of such a request comes from its row ``num_draft_tokens[b]``. None = K for all.
+    temperature, seeds, offsets, backend, validate
+        As in ``rejection_sample``.
+
+    Returns
+    -------
+    output_token_ids : Tensor [B, K + 1] int32, num_accepted : Tensor [B] int32
+    """
+    for name, t, ndim in (("target_logits", target_logits, 3), ("draft_token_ids", draft_token_ids, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+            raise ValueError(f"{name} must be a {ndim}-D tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    batch, k = draft_token_ids.shape
+    if tuple(target_logits.shape[:2]) != (batch, k + 1):
+        raise ValueError(f"target_logits must have shape (B, K + 1, V) = ({batch}, {k + 1}, V), "
+                         f"got {tuple(target_logits.shape)}")
+    if draft_probs is not None and (draft_probs.dim() != 3 or tuple(draft_probs.shape[:2]) != (batch, k)):
+        raise ValueError(f"draft_probs must have shape (B, K, V) = ({batch}, {k}, V), got {tuple(draft_probs.shape)}")
+    drafts = draft_token_ids
+    if num_draft_tokens is not None:
+        if num_draft_tokens.shape != (batch,):
+            raise ValueError(f"num_draft_tokens must have shape (B,) = ({batch},), got {tuple(num_draft_tokens.shape)}")
+        # Slots past a request's count become -1, which ends its chain at that row.
+        slot = torch.arange(k, device=drafts.device)
+        drafts = torch.where(slot[None, :] < num_draft_tokens[:, None].to(drafts.device), drafts, -1)
+    cu = torch.arange(0, (batch + 1) * k, k, dtype=torch.int32, device=target_logits.device) if k else \
+        torch.zeros(batch + 1, dtype=torch.int32, device=target_logits.device)
+    return rejection_sample(
+        target_logits.reshape(batch * (k + 1), target_logits.shape[-1]),
+        drafts.reshape(batch * k), cu,
+        None if draft_probs is None else draft_probs.reshape(batch * k, draft_probs.shape[-1]),
+        temperature, seeds, offsets, k, backend=backend, validate=validate)

@@ -1,0 +1,112 @@
+"""Input checks for the verify ops.
+
+``check_rejection_sample_inputs`` looks only at metadata (shape, dtype, device): it never
+synchronizes with the device and runs on every call of the Python API.
+``check_rejection_sample_contents`` reads the values (ids, offsets, temperatures, draft
+probabilities) and therefore synchronizes; it runs only when asked (``validate=True`` or
+SPECDEC_VALIDATE=1). Errors name the argument and, for contents, the offending request.
+"""
+from __future__ import annotations
+
+import torch
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, ndim: int, dtypes, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but target_logits is on {device}")
+
+
+def check_rejection_sample_inputs(
+    target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+    seeds, offsets, max_spec_len,
+) -> None:
+    check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
+    device = target_logits.device
+    num_rows, vocab = target_logits.shape
+    if vocab < 1:
+        raise ValueError("target_logits has an empty vocabulary dimension")
+    check_tensor("draft_token_ids", draft_token_ids, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if cu_num_draft_tokens.shape[0] < 1:
+        raise ValueError("cu_num_draft_tokens must have B + 1 >= 1 entries (a leading 0)")
+    batch = cu_num_draft_tokens.shape[0] - 1
+    num_drafts = draft_token_ids.shape[0]
+    if num_rows != num_drafts + batch:
+        raise ValueError(
+            f"target_logits has {num_rows} rows but draft_token_ids has N = {num_drafts} and "
+            f"cu_num_draft_tokens has B = {batch} requests: expected N + B = {num_drafts + batch} "
+            "rows (each request's draft rows, then its bonus row)")
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, ndim=2, dtypes=LOGIT_DTYPES, device=device)
+        if tuple(draft_probs.shape) != (num_drafts, vocab):
+            raise ValueError(
+                f"draft_probs must have shape (N, V) = ({num_drafts}, {vocab}), got {tuple(draft_probs.shape)}")
+    for name, t, dtypes in (("temperature", temperature, (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+                            ("seeds", seeds, INDEX_DTYPES), ("offsets", offsets, INDEX_DTYPES)):
+        if t is not None:
+            check_tensor(name, t, ndim=1, dtypes=dtypes, device=device)
+            if t.shape[0] != batch:
+                raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(t.shape)}")
+    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int):
+        raise TypeError(f"max_spec_len must be an int, got {type(max_spec_len).__name__}")
+    if max_spec_len < 0:
+        raise ValueError(f"max_spec_len must be >= 0, got {max_spec_len}")
+
+
+def check_rejection_sample_contents(
+    target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, max_spec_len,
+) -> None:
+    """Value checks (synchronizes). Call after ``check_rejection_sample_inputs``."""
+    vocab = target_logits.shape[1]
+    num_drafts = draft_token_ids.shape[0]
+    cu = cu_num_draft_tokens.detach().to("cpu", torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_num_draft_tokens[0] must be 0, got {int(cu[0])}")
+    counts = cu[1:] - cu[:-1]
+    bad = torch.nonzero(counts < 0)
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"cu_num_draft_tokens must be non-decreasing: request {b} has "
+            f"cu[{b + 1}] = {int(cu[b + 1])} < cu[{b}] = {int(cu[b])}")
+    if int(cu[-1]) != num_drafts:
+        raise ValueError(
+            f"cu_num_draft_tokens[-1] = {int(cu[-1])} must equal the number of drafts N = {num_drafts}")
+    bad = torch.nonzero(counts > max_spec_len)
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"request {b} has {int(counts[b])} drafts, more than max_spec_len = {max_spec_len}")
+    ids = draft_token_ids.detach().to("cpu", torch.int64)
+    bad = torch.nonzero((ids < 0) | (ids >= vocab))
+    if bad.numel():
+        i = int(bad[0])
+        b = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
+        raise ValueError(
+            f"draft_token_ids[{i}] = {int(ids[i])} (request {b}) is outside the vocabulary [0, {vocab})")
+    if temperature is not None:
+        temp = temperature.detach().to("cpu", torch.float64)
+        bad = torch.nonzero(~torch.isfinite(temp) | (temp < 0))
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(f"temperature[{b}] = {float(temp[b])} must be finite and >= 0 (0 = greedy)")
+    if draft_probs is not None and num_drafts:
+        probs = draft_probs.detach()
+        bad_rows = (~torch.isfinite(probs) | (probs < 0)).any(-1).nonzero()
+        if bad_rows.numel():
+            i = int(bad_rows[0])
+            b = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
+            raise ValueError(
+                f"draft_probs row {i} (request {b}) has a negative or non-finite probability")

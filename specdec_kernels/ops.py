@@ -1,0 +1,83 @@
+"""Kernels behind ``torch.ops.specdec.*`` that live in Python, and the fake implementations.
+
+The schemas are defined once, in C++ (csrc/ops.cpp). Registered here:
+- CPU: the reference (specdec_kernels.reference) in float64;
+- Meta/fake: output shapes only, for torch.compile and FakeTensor tracing;
+- CUDA: the fused Triton kernel, but only when the C++ extension was built without the
+  fused CUDA kernel (which then owns the CUDA key). If neither is available, calling the op
+  on CUDA tensors raises an error that says so.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the schemas, and the CUDA kernel when built)
+from .checks import check_rejection_sample_inputs
+from .reference import rejection_sample_reference
+
+REJECTION_SAMPLE = "specdec::rejection_sample"
+
+try:
+    from .triton_rejection_sample import rejection_sample_triton
+    TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # triton is an optional dependency
+    rejection_sample_triton = None
+    TRITON_IMPORT_ERROR = str(e)
+
+
+def cuda_kernel_built() -> bool:
+    """True when the fused CUDA C++ kernel was compiled into specdec_kernels._C."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(REJECTION_SAMPLE, "CUDA") and not _TRITON_OWNS_CUDA
+
+
+def draw_seeds(batch: int, device: torch.device) -> torch.Tensor:
+    """Per-request seeds from torch's generator on ``device`` (one small RNG launch)."""
+    return torch.randint(-(2**63), 2**63 - 1, (batch,), dtype=torch.int64, device=device)
+
+
+def inner_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels take any row stride but need unit stride along the vocabulary."""
+    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+_lib = torch.library.Library("specdec", "IMPL")
+
+
+@torch.library.register_fake(REJECTION_SAMPLE)
+def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                           temperature, seeds, offsets, max_spec_len):
+    batch = cu_num_draft_tokens.shape[0] - 1
+    out = target_logits.new_empty((batch, max_spec_len + 1), dtype=torch.int32)
+    return out, target_logits.new_empty((batch,), dtype=torch.int32)
+
+
+def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                          temperature, seeds, offsets, max_spec_len):
+    check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                  temperature, seeds, offsets, max_spec_len)
+    if seeds is None:
+        seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
+    return rejection_sample_reference(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                      temperature, seeds, offsets, max_spec_len)
+
+
+def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                  temperature, seeds, offsets, max_spec_len):
+    if rejection_sample_triton is None:
+        raise RuntimeError(
+            "specdec.rejection_sample on CUDA: no GPU backend is available -- the CUDA kernel was "
+            f"not built into specdec_kernels._C and triton cannot be imported ({TRITON_IMPORT_ERROR})")
+    check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                  temperature, seeds, offsets, max_spec_len)
+    if seeds is None:
+        seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
+    return rejection_sample_triton(inner_contiguous(target_logits), draft_token_ids, cu_num_draft_tokens,
+                                   inner_contiguous(draft_probs), temperature, seeds, offsets, max_spec_len)
+
+
+_lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
+_TRITON_OWNS_CUDA = not torch._C._dispatch_has_kernel_for_dispatch_key(REJECTION_SAMPLE, "CUDA")
+if _TRITON_OWNS_CUDA:
+    _lib.impl("rejection_sample", _rejection_sample_cuda_triton, "CUDA")

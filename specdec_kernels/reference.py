@@ -1,0 +1,197 @@
+"""CPU reference of the verify step: the oracle every backend is tested against.
+
+Vectorized PyTorch (no Python loop over requests), any compute dtype (float64 by default).
+It implements docs/ALGORITHM.md literally: the random numbers come from the same Philox
+streams as the kernels, so for the same seeds the kernels must emit the same tokens except
+where two float computations of one quantity fall on either side of a threshold.
+"""
+from __future__ import annotations
+
+import torch
+
+from .philox import (
+    SAMPLE_CHUNK,
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
+    open_uniform_from_word,
+    philox_words,
+    uniform_from_word,
+)
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never sampled), +inf -> FLT_MAX (the largest finite float32)."""
+    logits = torch.where(torch.isnan(logits), float("-inf"), logits)
+    return logits.clamp(max=FLT_MAX)
+
+
+def chunked_categorical(
+    weights: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, nodes: torch.Tensor
+) -> torch.Tensor:
+    """One token per row of ``weights`` [R, V] (>= 0, unnormalized), -1 where a row has no mass.
+
+    Chunk c = entries [c*SAMPLE_CHUNK, (c+1)*SAMPLE_CHUNK). With (w0, w1) the first two
+    Philox words of counter (c, STREAM_SAMPLE<<24 | node, offset), u = uniform(w0) and
+    v = open_uniform(w1):
+      - inside chunk c the candidate is the smallest i with w_i > 0 and C_i >= u * W_c
+        (C = inclusive prefix sum over the chunk, W_c its total);
+      - the chunk is the winner of an exponential race: argmax_c log2(W_c) - log2(-log2(v_c)),
+        lowest c on ties, chunks with W_c = 0 out.
+    P(token = i) = W_c/W * w_i/W_c = w_i/W.
+    """
+    R, V = weights.shape
+    device = weights.device
+    if R == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    weights = torch.nan_to_num(weights, nan=0.0).clamp(min=0)
+    n_chunks = (V + SAMPLE_CHUNK - 1) // SAMPLE_CHUNK
+    padded = torch.zeros(R, n_chunks * SAMPLE_CHUNK, dtype=weights.dtype, device=device)
+    padded[:, :V] = weights
+    w = padded.view(R, n_chunks, SAMPLE_CHUNK)
+    prefix = w.cumsum(-1)
+    total = prefix[..., -1]
+    lanes = torch.arange(n_chunks, device=device)
+    w0, w1, _, _ = philox_words(
+        seeds[:, None], offsets[:, None], STREAM_SAMPLE, nodes[:, None], lanes[None, :]
+    )
+    u = uniform_from_word(w0, weights.dtype)
+    v = open_uniform_from_word(w1, weights.dtype)
+    hit = (w > 0) & (prefix >= (u * total)[..., None])
+    has_hit = hit.any(-1)
+    in_chunk = hit.to(torch.int8).argmax(-1)  # first True
+    score = torch.where(
+        (total > 0) & has_hit, torch.log2(total) - torch.log2(-torch.log2(v)), float("-inf")
+    )
+    best = score.argmax(-1)  # first maximum
+    found = score.gather(1, best[:, None]).squeeze(1) > float("-inf")
+    token = best * SAMPLE_CHUNK + in_chunk.gather(1, best[:, None]).squeeze(1)
+    return torch.where(found, token, -1)
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] with idx clamped into range; zeros when t has no rows (callers mask the result)."""
+    if t.shape[0] == 0:
+        return torch.zeros(*idx.shape, *t.shape[1:], dtype=t.dtype, device=t.device)
+    return t[idx.clamp(0, t.shape[0] - 1)]
+
+
+def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Lowest index of the maximum along the last dim; -1 where the row has no value > -inf."""
+    row_max = logits.max(-1).values
+    idx = torch.argmax(logits, -1)  # torch returns the first maximal index
+    return torch.where(row_max > float("-inf"), idx, -1)
+
+
+@torch.no_grad()
+def rejection_sample_reference(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor | None,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor | None,
+    max_spec_len: int,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain verification over a ragged batch; arguments as ``torch.ops.specdec.rejection_sample``.
+
+    Returns (output_token_ids [B, max_spec_len+1] int32, num_accepted [B] int32).
+    Out-of-range row or draft indices (a malformed ``cu_num_draft_tokens``) read as rows with
+    no valid logit and as invalid draft ids, as in the kernels: nothing is read out of bounds.
+    """
+    device = target_logits.device
+    R, V = target_logits.shape
+    N = draft_token_ids.shape[0]
+    B = cu_num_draft_tokens.shape[0] - 1
+    L = int(max_spec_len)
+    if offsets is None:
+        offsets = torch.zeros(B, dtype=torch.int64, device=device)
+    seeds = seeds.to(torch.int64)
+    offsets = offsets.to(torch.int64)
+
+    cu = cu_num_draft_tokens.to(torch.int64)
+    n = (cu[1:] - cu[:-1]).clamp(0, L)  # drafts beyond max_spec_len are ignored
+    b_idx = torch.arange(B, device=device)
+    t = torch.arange(L + 1, device=device)
+
+    # Target rows [B, L+1, V]: rows t <= n of each request, the rest (and bad indices) masked.
+    row_idx = cu[:-1, None] + b_idx[:, None] + t[None, :]
+    row_ok = (t[None, :] <= n[:, None]) & (row_idx >= 0) & (row_idx < R)
+    logits = _rows(target_logits, row_idx).to(compute_dtype)
+    logits = sanitize_logits(logits)
+    logits = torch.where(row_ok[..., None], logits, float("-inf"))
+
+    if temperature is None:
+        temperature = torch.ones(B, dtype=torch.float32, device=device)
+    temp = temperature.to(compute_dtype)
+    greedy = ~(temp > 0)  # 0, negative and NaN temperatures are greedy
+    inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
+
+    row_max = logits.max(-1, keepdim=True).values
+    finite_row = row_max > float("-inf")
+    w = torch.where(
+        (logits > float("-inf")) & finite_row,
+        torch.exp((logits - row_max) * inv_temp[:, None, None]),
+        0.0,
+    )
+    q = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(compute_dtype).tiny)
+    argmax = _first_argmax(logits)  # [B, L+1]
+
+    # Draft tokens [B, L]; invalid ones (out of range, past n, bad index) become -1.
+    td = t[:L]
+    d_idx = cu[:-1, None] + td[None, :]
+    d_ok = (td[None, :] < n[:, None]) & (d_idx >= 0) & (d_idx < N)
+    x = torch.where(d_ok, _rows(draft_token_ids, d_idx).to(torch.int64), -1)
+    x_ok = d_ok & (x >= 0) & (x < V)
+    x_c = x.clamp(0, V - 1)
+
+    q_x = torch.where(x_ok, q[:, :L].gather(2, x_c[..., None]).squeeze(-1), 0.0)
+    if draft_probs is not None:
+        p_rows = _rows(draft_probs, d_idx)  # [B, L, V]
+        p_x = torch.where(x_ok, p_rows.gather(2, x_c[..., None]).squeeze(-1).to(compute_dtype), 0.0)
+    else:
+        p_x = torch.ones_like(q_x)
+    a0, _, _, _ = philox_words(
+        seeds[:, None], offsets[:, None], STREAM_ACCEPT, td[None, :] + 1, torch.zeros_like(td)[None, :]
+    )
+    u = uniform_from_word(a0, compute_dtype)
+    accept_random = u * p_x < q_x
+    accept_greedy = x == argmax[:, :L]
+    accept = torch.where(greedy[:, None], accept_greedy, accept_random) & x_ok
+    num_accepted = accept.to(torch.int64).cumprod(-1).sum(-1) if L else torch.zeros(B, dtype=torch.int64, device=device)
+
+    # The final token comes from row t* = num_accepted.
+    t_star = num_accepted
+    rejected = t_star < n
+    q_star = q[b_idx, t_star]  # [B, V]
+    x_star = torch.where(rejected, x[b_idx, t_star.clamp(max=max(L - 1, 0))] if L else -1, -1)
+    if draft_probs is not None:
+        p_star = _rows(draft_probs, cu[:-1] + t_star).to(compute_dtype)
+        residual = torch.where(q_star > 0, (q_star - p_star).clamp(min=0), 0.0)
+        residual = torch.nan_to_num(residual, nan=0.0)
+        # An invalid draft id (e.g. -1 padding) ends the chain: nothing to subtract, sample q.
+        x_star_ok = (x_star >= 0) & (x_star < V)
+        w_final = torch.where((rejected & x_star_ok)[:, None], residual, q_star)
+    else:
+        lane = torch.arange(V, device=device)
+        excluded = lane[None, :] == x_star[:, None]
+        w_final = torch.where(excluded, 0.0, q_star)
+    token = chunked_categorical(w_final, seeds, offsets, t_star)
+    argmax_star = argmax[b_idx, t_star]
+    if draft_probs is not None:
+        # Residual with no mass (q == p up to rounding): sample from q with the same noise.
+        fallback = chunked_categorical(q_star, seeds, offsets, t_star)
+    else:
+        # q minus the rejected draft has no mass only if q is a point mass: that point is argmax.
+        fallback = argmax_star
+    token = torch.where(token < 0, fallback, token)
+    token = torch.where(greedy, argmax_star, token)
+
+    out = torch.full((B, L + 1), -1, dtype=torch.int64, device=device)
+    keep = td[None, :] < t_star[:, None]
+    out[:, :L] = torch.where(keep, x, -1)
+    out.scatter_(1, t_star[:, None], token[:, None])
+    return out.to(torch.int32), num_accepted.to(torch.int32)
