@@ -84,9 +84,7 @@ def rejection_sample(
     if backend == "reference":
         return rejection_sample_reference(*args)
     if backend == "triton":
-        return ops.rejection_sample_triton(
-            ops.inner_contiguous(target_logits), draft_token_ids, cu_num_draft_tokens,
-            ops.inner_contiguous(draft_probs), temperature, seeds, offsets, max_spec_len)
+        return ops.triton_call(*args)
     return torch.ops.specdec.rejection_sample(*args)
 
 

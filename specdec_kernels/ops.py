@@ -36,10 +36,20 @@ def draw_seeds(batch: int, device: torch.device) -> torch.Tensor:
 
 
 def inner_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Kernels take any row stride but need unit stride along the vocabulary."""
+    """Kernels take any row stride but need unit stride along the last dim (the vocabulary of
+    2-D inputs, the only dim of 1-D ones); anything else is copied."""
     if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
         return t
     return t.contiguous()
+
+
+def triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                seeds, offsets, max_spec_len):
+    """The Triton kernel on checked inputs (seeds drawn when absent)."""
+    if seeds is None:
+        seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
+    tensors = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets)
+    return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len)
 
 
 _lib = torch.library.Library("specdec", "IMPL")
@@ -71,10 +81,8 @@ def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_t
             f"not built into specdec_kernels._C and triton cannot be imported ({TRITON_IMPORT_ERROR})")
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len)
-    if seeds is None:
-        seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
-    return rejection_sample_triton(inner_contiguous(target_logits), draft_token_ids, cu_num_draft_tokens,
-                                   inner_contiguous(draft_probs), temperature, seeds, offsets, max_spec_len)
+    return triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                       seeds, offsets, max_spec_len)
 
 
 _lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")

@@ -23,8 +23,7 @@ FLT_MAX = torch.finfo(torch.float32).max
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf (never sampled), +inf -> FLT_MAX (the largest finite float32)."""
-    logits = torch.where(torch.isnan(logits), float("-inf"), logits)
-    return logits.clamp(max=FLT_MAX)
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
 
 
 def chunked_categorical(
@@ -120,9 +119,8 @@ def rejection_sample_reference(
     # Target rows [B, L+1, V]: rows t <= n of each request, the rest (and bad indices) masked.
     row_idx = cu[:-1, None] + b_idx[:, None] + t[None, :]
     row_ok = (t[None, :] <= n[:, None]) & (row_idx >= 0) & (row_idx < R)
-    logits = _rows(target_logits, row_idx).to(compute_dtype)
-    logits = sanitize_logits(logits)
-    logits = torch.where(row_ok[..., None], logits, float("-inf"))
+    logits = sanitize_logits(_rows(target_logits, row_idx).to(compute_dtype))
+    logits.masked_fill_(~row_ok[..., None], float("-inf"))
 
     if temperature is None:
         temperature = torch.ones(B, dtype=torch.float32, device=device)
@@ -130,14 +128,11 @@ def rejection_sample_reference(
     greedy = ~(temp > 0)  # 0, negative and NaN temperatures are greedy
     inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
 
+    # q = softmax(logits / T) per row; rows without a valid logit get q = 0 everywhere.
     row_max = logits.max(-1, keepdim=True).values
-    finite_row = row_max > float("-inf")
-    w = torch.where(
-        (logits > float("-inf")) & finite_row,
-        torch.exp((logits - row_max) * inv_temp[:, None, None]),
-        0.0,
-    )
-    q = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(compute_dtype).tiny)
+    shift = torch.where(row_max > float("-inf"), row_max, 0.0)
+    q = (logits - shift).mul_(inv_temp[:, None, None]).exp_()  # exp(-inf) = 0 for masked entries
+    q.div_(q.sum(-1, keepdim=True).clamp(min=torch.finfo(compute_dtype).tiny))
     argmax = _first_argmax(logits)  # [B, L+1]
 
     # Draft tokens [B, L]; invalid ones (out of range, past n, bad index) become -1.

@@ -353,9 +353,11 @@ _WORKSPACES: dict = {}
 
 
 def _workspace(device: torch.device, n_f32: int, n_i32: int, n_counters: int):
-    """Cached per (device, stream) workspace: records (never read before written) and counters
-    (zero between calls: the last program resets them). Allocated once, grown when needed."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    """Cached per-device workspace: records (never read before written) and counters (zero
+    between calls: the last program resets them). Allocated once, grown when needed. Calls on
+    one stream (and graph replays) reuse it safely; two calls running at the same time on two
+    streams of one device would share it, which is not supported (docs/API.md)."""
+    key = device
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < n_f32 or ws[1].numel() < n_i32 or ws[2].numel() < n_counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -1,0 +1,141 @@
+"""Exactness of the verify step, measured: goodness of fit of the emitted tokens.
+
+Fixed seeds make every test deterministic; sample sizes make them sensitive (see the
+negative controls at the end, which must fail the same fits by a wide margin).
+On the CPU (CI) the statistical suite runs on the reference; with a GPU it also runs on
+every GPU backend. Backend agreement with the reference is tested in test_backends.py.
+"""
+import numpy as np
+import pytest
+import torch
+
+from specdec_kernels.synthetic import MarkovPair, chain_batch_iid, first_two_tokens, iid_pair
+from utils import HAS_CUDA, chi_square_pvalue, gpu_backends, sampler
+
+VOCAB = 6
+SAMPLES = 20000
+P_MIN = 1e-4  # a correct sampler fails this with probability 1e-4 per fixed seed
+
+BACKENDS = [("reference", "cpu")] + [(b, "cuda") for b in (gpu_backends() if HAS_CUDA else [])]
+
+
+def _joint_counts(first, second, vocab):
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (first.numpy(), second.numpy()), 1)
+    return counts
+
+
+CASES = {
+    # name: (deterministic drafts, temperature, draft counts)
+    "probabilistic": (False, 1.0, "fixed"),
+    "deterministic": (True, 1.0, "fixed"),
+    "temperature_0.6": (False, 0.6, "fixed"),
+    "temperature_1.7_deterministic": (True, 1.7, "fixed"),
+    "ragged_with_zero_drafts": (False, 1.0, "ragged"),
+    "ragged_deterministic": (True, 0.8, "ragged"),
+}
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_two_tokens_follow_the_target(backend, device, case):
+    deterministic, temperature, layout = CASES[case]
+    pair = MarkovPair.random(VOCAB, seed=11, mask_token=VOCAB - 1)
+    g = torch.Generator().manual_seed(5)
+    counts = torch.full((SAMPLES,), 3) if layout == "fixed" else torch.randint(0, 4, (SAMPLES,), generator=g)
+    first, second = first_two_tokens(sampler(backend), pair, SAMPLES, counts, temperature,
+                                     deterministic, seed=123, device=device)
+    law = pair.joint_law(temperature).numpy()
+    assert (first < VOCAB - 1).all() and (second < VOCAB - 1).all(), "a masked token was emitted"
+    p_first = chi_square_pvalue(np.bincount(first.numpy(), minlength=VOCAB), law.sum(1))
+    p_joint = chi_square_pvalue(_joint_counts(first, second, VOCAB), law)
+    assert p_first > P_MIN, f"first token does not follow the target: p = {p_first:.2e}"
+    assert p_joint > P_MIN, f"first two tokens do not follow the target: p = {p_joint:.2e}"
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("num_drafts", [0, 1])
+def test_large_vocab_final_token_follows_the_target(backend, device, num_drafts):
+    """V spans several sampling chunks: the chunk race and the in-chunk inverse CDF, for the
+    bonus token (0 drafts) and for the residual max(0, q - p) (1 draft, often rejected)."""
+    vocab, batches, batch, groups = 9000, 6, 2000, 20
+    g = torch.Generator().manual_seed(3)
+    q = torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 1.2, -1)
+    p = torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 1.2, -1)
+    group_of = np.arange(vocab) * groups // vocab
+    observed = np.zeros(groups)
+    for i in range(batches):  # in pieces: the reference holds [B, K+1, V] in float64
+        logits, drafts, cu, probs = chain_batch_iid(q, p, batch, num_drafts, generator=g, device=device)
+        seeds = torch.arange(batch, dtype=torch.int64, device=device) + 99 + i * batch
+        out, _ = sampler(backend)(logits, drafts, cu, probs, None, seeds, None, num_drafts)
+        observed += np.bincount(group_of[out[:, 0].cpu().long().numpy()], minlength=groups)
+    expected = np.bincount(group_of, weights=q.numpy(), minlength=groups)
+    assert chi_square_pvalue(observed, expected) > P_MIN
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("acceptance,k", [(0.5, 2), (0.8, 4), (0.9, 8)])
+def test_tokens_per_step_match_theory(backend, device, acceptance, k):
+    g = torch.Generator().manual_seed(int(acceptance * 100) + k)
+    q, p = iid_pair(64, acceptance, generator=g)
+    logits, drafts, cu, probs = chain_batch_iid(q, p, SAMPLES, k, generator=g, device=device)
+    seeds = torch.arange(SAMPLES, dtype=torch.int64, device=device)
+    _, num_acc = sampler(backend)(logits, drafts, cu, probs, None, seeds, None, k)
+    tokens = num_acc.cpu().double() + 1
+    theory = (1 - acceptance ** (k + 1)) / (1 - acceptance)
+    se = tokens.std().item() / SAMPLES ** 0.5
+    assert abs(tokens.mean().item() - theory) < 3 * se, (tokens.mean().item(), theory, se)
+
+
+# --- negative controls: the fits above must be able to fail -------------------------------
+
+def test_control_residual_from_q_fails():
+    """A classic bug: on rejection, resample from q instead of norm(max(0, q - p)). The joint
+    fit must reject it. (Verifying sampled drafts as point masses would NOT be a bug: that rule
+    is exact for any draft, however it was chosen -- the "deterministic" cases test it.)"""
+    pair = MarkovPair.random(VOCAB, seed=11, mask_token=VOCAB - 1)
+    base = sampler("reference")
+    g = torch.Generator().manual_seed(0)
+
+    def wrong(logits, drafts, cu, probs, temp, seeds, offs, k):
+        out, num_acc = base(logits, drafts, cu, probs, temp, seeds, offs, k)
+        batch = cu.shape[0] - 1
+        rejected = num_acc.long() < (cu[1:] - cu[:-1]).long()
+        rows = cu[:-1].long() + torch.arange(batch) + num_acc.long()
+        q = torch.softmax(logits[rows].double() / temp[:, None].double(), -1)
+        resampled = torch.multinomial(q, 1, generator=g).squeeze(1).to(out.dtype)
+        out = out.clone()
+        out[rejected, num_acc.long()[rejected]] = resampled[rejected]
+        return out, num_acc
+
+    first, second = first_two_tokens(wrong, pair, SAMPLES, torch.full((SAMPLES,), 3), 1.0,
+                                     False, seed=123)
+    law = pair.joint_law(1.0).numpy()
+    assert chi_square_pvalue(_joint_counts(first, second, VOCAB), law) < 1e-8
+
+
+def test_control_wrong_temperature_fails():
+    pair = MarkovPair.random(VOCAB, seed=11, mask_token=VOCAB - 1)
+    base = sampler("reference")
+
+    def wrong(logits, drafts, cu, probs, temp, seeds, offs, k):
+        return base(logits, drafts, cu, probs, temp * 1.25, seeds, offs, k)
+
+    first, second = first_two_tokens(wrong, pair, SAMPLES, torch.full((SAMPLES,), 3), 0.8,
+                                     False, seed=123)
+    law = pair.joint_law(0.8).numpy()
+    assert chi_square_pvalue(_joint_counts(first, second, VOCAB), law) < 1e-8
+
+
+def test_control_theory_detects_a_biased_accept_rule():
+    """Accepting with probability (q/p)^2 instead of q/p changes tokens per step by far more
+    than 3 standard errors."""
+    g = torch.Generator().manual_seed(1)
+    q, p = iid_pair(64, 0.8, generator=g)
+    logits, drafts, cu, probs = chain_batch_iid(q, p, SAMPLES, 4, generator=g)
+    sharpened = torch.log_softmax(2 * logits.double(), -1).float()  # q^2 / sum q^2: fewer accepts
+    _, num_acc = sampler("reference")(sharpened, drafts, cu, probs ** 2, None,
+                                      torch.arange(SAMPLES), None, 4)
+    tokens = num_acc.double() + 1
+    theory = (1 - 0.8 ** 5) / 0.2
+    assert abs(tokens.mean().item() - theory) > 10 * tokens.std().item() / SAMPLES ** 0.5
