@@ -1,0 +1,255 @@
+"""Benchmark of chain verification against the memory floor and the baselines.
+
+For each configuration (B requests, K drafts each, vocabulary V, logits dtype, draft
+probabilities given or not) it reports:
+- floor_us: every target logit row read once (B*(K+1)*V*elem) plus, with draft
+  probabilities, one draft row per request, over the card's measured copy bandwidth
+  (a device-to-device copy, bytes read + written) -- DESIGN.md section 4;
+- graph_us: GPU time per call, from a CUDA graph of several calls on distinct input sets
+  (replay time / calls; L2 flushed before each replay), i.e. without launch overhead;
+- eager_us: a call from Python (do_bench median, L2 flushed before each call), which
+  includes the Python wrapper and the launch when they exceed the GPU time;
+- ratios to the floor and the speedup over the straightforward PyTorch pipeline.
+
+Writes <out>/bench_rejection_sample.csv (card, versions and commit on every row),
+<out>/bench_rejection_sample.md (the table) and <out>/bench_rejection_sample.png.
+
+    python benchmarks/bench_rejection_sample.py --out bench_out            # the core table
+    python benchmarks/bench_rejection_sample.py --sweep full --out bench_out
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specdec_kernels  # noqa: E402
+from torch_pipeline import flashinfer_pipeline, torch_pipeline  # noqa: E402
+
+# Anchors measured on one H200 (copy 4.26 TB/s), K=4, V=128256 -- ../shared/DESIGN.md §4.
+# (B -> microseconds.) Quoted, not re-measured here.
+ANCHORS_H200 = {
+    "vLLM MRV2 graph (bf16, no draft)": {1: 10.5, 8: 17.6, 32: 43, 64: 79, 128: 147},
+    "vLLM MRV2 eager (bf16, no draft)": {1: 187, 8: 94, 32: 94, 64: 99, 128: 161},
+    "FlashInfer softmax+chain (fp32 + draft)": {1: 64.6, 8: 109, 32: 169, 64: 272, 128: 399},
+    "vLLM V1 (bf16 + fp32 draft)": {1: 191, 8: 241, 32: 469, 64: 794, 128: 1474},
+}
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write), median of do_bench."""
+    n = 1 << 29  # 2 GiB of fp32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    del src, dst
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def make_inputs(batch, k, vocab, dtype, draft_probs, seed):
+    """Random target logits; drafts from a perturbed copy of the target (acceptance ~0.5-0.7),
+    sampled (with draft probabilities) or its argmax (deterministic drafts)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(batch, k + 1, vocab, device="cuda", generator=g) * 2
+    draft_logits = logits[:, :k] + torch.randn(batch, k, vocab, device="cuda", generator=g)
+    probs = torch.softmax(draft_logits, -1)
+    if draft_probs:
+        drafts = torch.multinomial(probs.view(-1, vocab), 1, generator=g).view(batch, k)
+    else:
+        drafts = probs.argmax(-1)
+    cu = torch.arange(0, (batch + 1) * k, k, dtype=torch.int32, device="cuda") if k else \
+        torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    return dict(
+        padded_logits=logits.to(dtype),
+        padded_drafts=drafts,
+        padded_probs=probs if draft_probs else None,
+        target_logits=logits.to(dtype).view(batch * (k + 1), vocab),
+        draft_token_ids=drafts.reshape(-1),
+        cu_num_draft_tokens=cu,
+        draft_probs=probs.reshape(batch * k, vocab) if draft_probs else None,
+        temperature=torch.ones(batch, device="cuda"),
+        seeds=torch.arange(batch, device="cuda", dtype=torch.int64) + seed,
+        offsets=torch.zeros(batch, device="cuda", dtype=torch.int64),
+    )
+
+
+def our_call(inp, k, backend):
+    return lambda: specdec_kernels.rejection_sample(
+        inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"],
+        inp["temperature"], inp["seeds"], inp["offsets"], k, backend=backend)
+
+
+def pipeline_call(inp, _k, _backend):
+    return lambda: torch_pipeline(inp["padded_logits"], inp["padded_drafts"], inp["padded_probs"], inp["temperature"])
+
+
+def time_eager(fn) -> float:
+    fn()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def time_graph(fns) -> float:
+    """GPU time per call: one graph holding one call per input set."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    return ms * 1e3 / len(fns)
+
+
+def floor_us(batch, k, vocab, dtype, draft_probs, bandwidth) -> float:
+    nbytes = batch * (k + 1) * vocab * DTYPES[dtype].itemsize
+    if draft_probs:
+        nbytes += batch * vocab * 4
+    return nbytes / bandwidth * 1e6
+
+
+def versions() -> dict:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                         cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
+    except Exception:
+        commit = "unknown"
+    return dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, commit=commit)
+
+
+def configs(sweep: str):
+    if sweep == "core":
+        for batch, (dtype, probs) in itertools.product([1, 8, 32, 64, 128], [("bf16", False), ("fp32", True)]):
+            yield batch, 4, 128256, dtype, probs
+    else:
+        for batch, k, vocab, dtype, probs in itertools.product(
+                [1, 8, 32, 128], [1, 4, 8], [32000, 128256, 151936], ["bf16", "fp32"], [False, True]):
+            yield batch, k, vocab, dtype, probs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", choices=["core", "full"], default="core")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--backends", default=None, help="comma list; default: every built GPU backend + torch")
+    ap.add_argument("--max-graph-calls", type=int, default=16)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    status = specdec_kernels.available_backends()
+    backends = args.backends.split(",") if args.backends else \
+        [b for b in ("cuda", "triton") if status[b] == "available"] + ["torch"]
+    info = versions()
+    bandwidth = copy_bandwidth()
+    print(f"# {info['card']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; torch {info['torch']}, "
+          f"triton {info['triton']}, commit {info['commit']}; backends {backends}; {status}", flush=True)
+    fi = flashinfer_pipeline()
+    if fi is None:
+        print("# FlashInfer not installed: its numbers below are the H200 anchors of DESIGN.md, not re-measured")
+
+    rows = []
+    for batch, k, vocab, dtype, probs in configs(args.sweep):
+        floor = floor_us(batch, k, vocab, dtype, probs, bandwidth)
+        set_bytes = batch * (k + 1) * vocab * (DTYPES[dtype].itemsize + (4 if probs else 0))
+        n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
+        sets = [make_inputs(batch, k, vocab, DTYPES[dtype], probs, seed) for seed in range(n_sets)]
+        timed = [(b, our_call if b != "torch" else pipeline_call) for b in backends]
+        if fi is not None and probs and dtype == "fp32":
+            timed.append(("flashinfer", lambda inp, _k, _b: (lambda: fi[0](
+                inp["padded_logits"], inp["padded_drafts"], inp["padded_probs"], inp["temperature"]))))
+        for backend, make in timed:
+            eager = time_eager(make(sets[0], k, backend))
+            graph = time_graph([make(s, k, backend) for s in sets]) if backend != "flashinfer" else float("nan")
+            row = dict(info, backend=backend, B=batch, K=k, V=vocab, logits_dtype=dtype,
+                       draft_probs="fp32" if probs else "none", floor_us=round(floor, 2),
+                       graph_us=round(graph, 2), eager_us=round(eager, 2),
+                       graph_over_floor=round(graph / floor, 3), eager_over_floor=round(eager / floor, 3),
+                       bandwidth_TBps=round(bandwidth / 1e12, 3))
+            rows.append(row)
+            print(f"B={batch:4d} K={k} V={vocab} {dtype} draft={row['draft_probs']:4s} {backend:8s} "
+                  f"floor {floor:8.1f} us  graph {graph:8.1f} us ({graph / floor:5.2f}x)  "
+                  f"eager {eager:8.1f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+    csv_path = os.path.join(args.out, "bench_rejection_sample.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    table = markdown_table(rows, info, bandwidth)
+    with open(os.path.join(args.out, "bench_rejection_sample.md"), "w") as f:
+        f.write(table)
+    print(table)
+    plot(rows, info, os.path.join(args.out, "bench_rejection_sample.png"))
+
+
+def markdown_table(rows, info, bandwidth) -> str:
+    by_key = {(r["B"], r["K"], r["V"], r["logits_dtype"], r["draft_probs"], r["backend"]): r for r in rows}
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
+             f"triton {info['triton']}, commit {info['commit']}. Times in us; graph = GPU time per call "
+             "in a CUDA graph, eager = called from Python; (x) = ratio to the floor.", ""]
+    head = "| B | K | V | logits | draft | floor |" + "".join(f" {b} graph | {b} eager |" for b in backends)
+    lines += [head, "|" + "---|" * (6 + 2 * len(backends))]
+    for key in dict.fromkeys(k[:5] for k in by_key):
+        first = by_key[key + (backends[0],)]
+        cells = [str(key[0]), str(key[1]), str(key[2]), key[3], key[4], f"{first['floor_us']:.1f}"]
+        for b in backends:
+            r = by_key.get(key + (b,))
+            if r is None:
+                cells += ["", ""]
+                continue
+            cells.append(f"{r['graph_us']:.1f} ({r['graph_over_floor']:.2f}x)")
+            cells.append(f"{r['eager_us']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, info, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no plot")
+        return
+    panels = [("bf16", "none", "bf16 logits, deterministic drafts"), ("fp32", "fp32", "fp32 logits + fp32 draft probs")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (dtype, probs, title) in zip(axes, panels):
+        sel = [r for r in rows if r["K"] == 4 and r["V"] == 128256 and r["logits_dtype"] == dtype and r["draft_probs"] == probs]
+        if not sel:
+            continue
+        bs = sorted({r["B"] for r in sel})
+        floor = {r["B"]: r["floor_us"] for r in sel}
+        ax.plot(bs, [floor[b] for b in bs], "k--", label="memory floor")
+        for backend in dict.fromkeys(r["backend"] for r in sel):
+            pts = sorted((r["B"], r["graph_us"] if r["graph_us"] == r["graph_us"] else r["eager_us"])
+                         for r in sel if r["backend"] == backend)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{backend} (graph)")
+        for name, anchor in ANCHORS_H200.items():
+            if ("no draft" in name) == (probs == "none"):
+                ax.plot(list(anchor), list(anchor.values()), "x:", alpha=0.6, label=f"{name} [H200, quoted]")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B (K=4, V=128256)")
+        ax.set_ylabel("time per call (us)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"specdec_kernels rejection_sample on {info['card']} (commit {info['commit']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

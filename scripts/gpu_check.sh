@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU machine's check, one command: build for this card, run the whole test suite on the
+# GPU, run the benchmark. Results go to $OUT (the device tool's folder) or ./gpu_out.
+#   bash scripts/gpu_check.sh [core|full]      (benchmark sweep, default core)
+# The machine has torch, triton, nvcc and ninja but no network: build without isolation.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+SWEEP=${1:-core}
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  nvcc --version | tail -2
+} 2>&1 | tee "$OUT/env.txt"
+
+start=$(date +%s)
+if ! SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  echo "pip install failed; trying setup.py build_ext --inplace" | tee -a "$OUT/build.log"
+  SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+fi
+echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available_backends())" 2>&1 | tee -a "$OUT/env.txt"
+
+start=$(date +%s)
+timeout 420 python3 -m pytest -q -rfE --timeout=180 python_tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+
+start=$(date +%s)
+timeout 480 python3 benchmarks/bench_rejection_sample.py --sweep "$SWEEP" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^B=" 
+echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
