@@ -83,5 +83,6 @@ def open_uniform_from_word(word: torch.Tensor, dtype: torch.dtype = torch.float6
     return ((word >> 8) + 1).to(dtype) * TWO_POW_M24
 
 # Sampling lanes: a row is sampled in chunks of SAMPLE_CHUNK vocabulary entries; chunk c uses
-# the words of counter lane c (docs/ALGORITHM.md, "Sampling a row").
-SAMPLE_CHUNK = 4096
+# the words of counter lane c (docs/ALGORITHM.md, "Sampling a row"). 256 = one warp's 16-byte
+# loads of 16-bit logits; small chunks also keep float near-ties of the in-chunk inverse CDF rare.
+SAMPLE_CHUNK = 256

@@ -34,6 +34,7 @@ LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
 BIG_INDEX = 2147483647
 NUM_WARPS = 8
+GROUP = 16  # chunks per loop iteration: a [16, 256] tile = 4096 logits
 
 
 @triton.jit
@@ -74,15 +75,39 @@ def _sanitize(logits):
 
 
 @triton.jit
-def _sample_chunk(w, offs, seed, offset, node, chunk, STREAM_SAMPLE: tl.constexpr):
-    """Chunk candidate (inverse CDF) and race score log2(W) - log2(-log2(v)) of weights ``w``."""
+def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row_max, row_sum,
+                     seed, offset, node, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
+                     STREAM_SAMPLE: tl.constexpr):
+    """Inverse CDF inside one chunk: the smallest lane with w > 0 and prefix >= u * total.
+
+    Weights: q relative to the chunk max with ``excluded`` left out, or (RESIDUAL) the
+    residual max(0, q - p) with q = exp2((l - row_max) k) / row_sum. -1 if the chunk is empty.
+    """
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_row = (offs < vocab_size) & row_ok & (chunk >= 0)
+    lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+    if RESIDUAL:
+        q = tl.where(lg > float("-inf"), tl.exp2((lg - row_max) * k) / row_sum, 0.0)
+        p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        w = tl.where(q > 0.0, tl.maximum(q - p, 0.0), 0.0)
+        w = tl.where(w == w, w, 0.0)
+    else:
+        m = tl.max(lg, 0)
+        w = tl.where(lg > float("-inf"), tl.exp2((lg - m) * k), 0.0)
+        w = tl.where(offs == excluded, 0.0, w)
     prefix = tl.cumsum(w, 0)
     total = tl.max(prefix, 0)  # prefix is non-decreasing: its max is the chunk total
     w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, node, chunk)
     threshold = _uniform(w0) * total
-    cand = tl.min(tl.where((w > 0) & (prefix >= threshold), offs, 2147483647), 0)
-    score = tl.where(total > 0, tl.log2(total) - tl.log2(-tl.log2(_open_uniform(w1))), float("-inf"))
-    return cand, score
+    token = tl.min(tl.where((w > 0.0) & (prefix >= threshold), offs, 2147483647), 0)
+    return tl.where(token == 2147483647, -1, token)
+
+
+@triton.jit
+def _race_score(total, seed, offset, node, chunk_ids, STREAM_SAMPLE: tl.constexpr):
+    """Exponential race over chunks: log2(W_c) - log2(-log2(v_c)); -inf for empty chunks."""
+    w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, node, chunk_ids)
+    return tl.where(total > 0.0, tl.log2(total) - tl.log2(-tl.log2(_open_uniform(w1))), float("-inf"))
 
 
 @triton.jit
@@ -95,8 +120,8 @@ def _request_decision(
 ):
     """Combine a request's phase-1 records and run its accept tests, all positions at once.
 
-    Returns (t_star, drafts, row_max, row_sum, argmax, sample) where t_star is the number of
-    accepted drafts and the four per-row vectors are indexed by position.
+    Returns (t_star, drafts, row_max, row_sum, argmax, best_chunk): t_star = accepted drafts;
+    the per-row vectors are indexed by position; best_chunk is the winner of the row's race.
     """
     t = tl.arange(0, ROWS_PAD)
     s = tl.arange(0, SPLITS_PAD)
@@ -106,7 +131,7 @@ def _request_decision(
     sv = tl.load(rec_f32_ptr + units_phase1 + rec, mask=rec_mask, other=0.0, cache_modifier=".cg")
     g = tl.load(rec_f32_ptr + 2 * units_phase1 + rec, mask=rec_mask, other=float("-inf"), cache_modifier=".cg")
     am = tl.load(rec_i32_ptr + rec, mask=rec_mask, other=-1, cache_modifier=".cg")
-    cand = tl.load(rec_i32_ptr + units_phase1 + rec, mask=rec_mask, other=-1, cache_modifier=".cg")
+    chunk = tl.load(rec_i32_ptr + units_phase1 + rec, mask=rec_mask, other=-1, cache_modifier=".cg")
 
     row_max = tl.max(m, 1)
     live = m > float("-inf")
@@ -117,8 +142,8 @@ def _request_decision(
     score = tl.where(live & (g > float("-inf")), g + shift, float("-inf"))
     best = tl.max(score, 1)
     best_split = tl.min(tl.where(score == best[:, None], s[None, :], 2147483647), 1)
-    sample = tl.sum(tl.where(s[None, :] == best_split[:, None], cand, 0), 1)
-    sample = tl.where(best > float("-inf"), sample, -1)
+    best_chunk = tl.sum(tl.where(s[None, :] == best_split[:, None], chunk, 0), 1)
+    best_chunk = tl.where(best > float("-inf"), best_chunk, -1)
 
     # Accept tests: draft t is tested against row t.
     is_draft = t < n
@@ -143,7 +168,7 @@ def _request_decision(
     else:
         accept = x_ok & (u * p_x < q_x)
     t_star = tl.min(tl.where(is_draft & (accept == 0), t, n), 0)
-    return t_star, x, row_max, row_sum, argmax, sample
+    return t_star, x, row_max, row_sum, argmax, best_chunk
 
 
 @triton.jit
@@ -171,9 +196,9 @@ def _rejection_sample_kernel(
     out_tokens_ptr, out_num_accepted_ptr,
     rec_f32_ptr, rec_i32_ptr, counter_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
-    num_splits, chunks_per_split, num_chunks, units_phase1, units_total,
+    num_splits, groups_per_split, num_groups, units_phase1, units_total,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
@@ -206,9 +231,11 @@ def _rejection_sample_kernel(
         offset = tl.load(offsets_ptr + b).to(tl.int64)
     else:
         offset = tl.zeros([], tl.int64)
-    offs0 = tl.arange(0, CHUNK)
-    c_lo = s_idx * chunks_per_split
-    c_hi = tl.minimum(c_lo + chunks_per_split, num_chunks)
+    # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
+    lane = tl.arange(0, CHUNK)[None, :]
+    chunk_in_group = tl.arange(0, GROUP)
+    g_lo = s_idx * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
 
     if is_phase1:
         if t <= n:
@@ -225,54 +252,75 @@ def _rejection_sample_kernel(
             s_run = tl.zeros([], tl.float32)
             am_run = tl.full([], -1, tl.int32)
             g_run = tl.full([], NEG_INF, tl.float32)
-            cand_run = tl.full([], -1, tl.int32)
-            for c in range(c_lo, c_hi):
-                offs = c * CHUNK + offs0
+            chunk_run = tl.full([], -1, tl.int32)
+            for grp in range(g_lo, g_hi):
+                chunks = grp * GROUP + chunk_in_group
+                offs = chunks[:, None] * CHUNK + lane
                 lg = tl.load(row_ptr + offs, mask=(offs < vocab_size) & row_ok, other=NEG_INF).to(tl.float32)
                 lg = _sanitize(lg)
-                m_c = tl.max(lg, 0)
-                am_c = tl.min(tl.where(lg == m_c, offs, 2147483647), 0)
-                w = tl.where(lg > NEG_INF, tl.exp2((lg - m_c) * k), 0.0)
-                s_c = tl.sum(w, 0)
-                if do_sample:
-                    cand_c, score_c = _sample_chunk(tl.where(offs == excluded, 0.0, w), offs, seed,
-                                                    offset, t, c, STREAM_SAMPLE)
-                else:
-                    cand_c = tl.full([], -1, tl.int32)
-                    score_c = tl.full([], NEG_INF, tl.float32)
-                m_new = tl.maximum(m_run, m_c)
-                run_live = m_run > NEG_INF
+                # Per chunk: max, first argmax, sum of exp2((l - max) k).
+                m_c = tl.max(lg, 1)
                 c_live = m_c > NEG_INF
+                am_c = tl.min(tl.where(lg == m_c[:, None], offs, 2147483647), 1)
+                w = tl.where(lg > NEG_INF, tl.exp2((lg - m_c[:, None]) * k), 0.0)
+                s_c = tl.sum(w, 1)
+                if do_sample:
+                    # The race needs only chunk totals (the draft token left out for
+                    # deterministic drafts); the in-chunk inverse CDF runs later, once.
+                    w_race = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
+                    score_c = _race_score(w_race, seed, offset, t, chunks, STREAM_SAMPLE)
+                else:
+                    score_c = tl.full([GROUP], NEG_INF, tl.float32)
+                # Combine the tile's chunks, then the tile with the running state.
+                m_g = tl.max(m_c, 0)
+                g_live = m_g > NEG_INF
+                shift_c = tl.where(c_live, (m_c - m_g) * k, NEG_INF)
+                s_g = tl.sum(tl.where(c_live, s_c * tl.exp2(shift_c), 0.0), 0)
+                am_g = tl.min(tl.where(c_live & (m_c == m_g), am_c, 2147483647), 0)
+                g_c = tl.where(score_c > NEG_INF, score_c + shift_c, NEG_INF)
+                best_g = tl.max(g_c, 0)
+                chunk_g = tl.min(tl.where(g_c == best_g, chunks, 2147483647), 0)
+
+                m_new = tl.maximum(m_run, m_g)
+                run_live = m_run > NEG_INF
                 s_run = tl.where(run_live, s_run * tl.exp2((m_run - m_new) * k), 0.0) \
-                    + tl.where(c_live, s_c * tl.exp2((m_c - m_new) * k), 0.0)
-                am_run = tl.where(m_c > m_run, am_c, am_run)
+                    + tl.where(g_live, s_g * tl.exp2((m_g - m_new) * k), 0.0)
+                am_run = tl.where(m_g > m_run, am_g, am_run)
                 g_old = tl.where(run_live, g_run + (m_run - m_new) * k, NEG_INF)
-                g_new = tl.where(c_live, score_c + (m_c - m_new) * k, NEG_INF)
+                g_new = tl.where(g_live, best_g + (m_g - m_new) * k, NEG_INF)
                 take = g_new > g_old
                 g_run = tl.where(take, g_new, g_old)
-                cand_run = tl.where(take, cand_c, cand_run)
+                chunk_run = tl.where(take, chunk_g, chunk_run)
                 m_run = m_new
             rec = (b * (max_spec_len + 1) + t) * num_splits + s_idx
             tl.store(rec_f32_ptr + rec, m_run)
             tl.store(rec_f32_ptr + units_phase1 + rec, s_run)
             tl.store(rec_f32_ptr + 2 * units_phase1 + rec, g_run)
             tl.store(rec_i32_ptr + rec, am_run)
-            tl.store(rec_i32_ptr + units_phase1 + rec, cand_run)
+            tl.store(rec_i32_ptr + units_phase1 + rec, chunk_run)
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits - 1:
                     tl.debug_barrier()
-                    t_star, drafts, row_max, row_sum, argmax, sample = _request_decision(
+                    t_star, drafts, row_max, row_sum, argmax, best_chunk = _request_decision(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
                         draft_probs_ptr, draft_probs_row_stride, rec_f32_ptr, rec_i32_ptr,
                         units_phase1, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
                         k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
                     rows = tl.arange(0, ROWS_PAD)
                     am_star = _pick(argmax, rows, t_star)
-                    sample_star = _pick(sample, rows, t_star)
-                    # q minus the rejected draft is empty only if q is a point mass: its argmax.
-                    token = tl.where(greedy | (sample_star < 0), am_star, sample_star)
+                    token = am_star
+                    if not greedy:
+                        chunk_star = _pick(best_chunk, rows, t_star)
+                        x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
+                        row = cu_lo + b + t_star
+                        sample = _sample_in_chunk(
+                            logits_ptr + row * logits_row_stride, draft_probs_ptr, chunk_star, vocab_size,
+                            (row >= 0) & (row < num_rows), k, x_star, 0.0, 1.0, seed, offset, t_star,
+                            False, CHUNK, STREAM_SAMPLE)
+                        # q minus the rejected draft is empty only if q is a point mass: its argmax.
+                        token = tl.where(sample >= 0, sample, am_star)
                     _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_ptr,
                                    max_spec_len, ROWS_PAD)
                     tl.store(counter_ptr + b, 0)
@@ -283,7 +331,7 @@ def _rejection_sample_kernel(
         while seen < need:
             seen = tl.atomic_add(counter_ptr + b, 0, sem="acquire")
         tl.debug_barrier()
-        t_star, drafts, row_max, row_sum, argmax, sample = _request_decision(
+        t_star, drafts, row_max, row_sum, argmax, best_chunk = _request_decision(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
             draft_probs_ptr, draft_probs_row_stride, rec_f32_ptr, rec_i32_ptr,
             units_phase1, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
@@ -292,50 +340,59 @@ def _rejection_sample_kernel(
         # An invalid draft id at t* (e.g. -1 padding) ends the chain: its row's q sample is final.
         x_star = _pick(drafts, rows, t_star)
         needs_residual = (not greedy) & (t_star < n) & (x_star >= 0) & (x_star < vocab_size)
-        res_base = rec_f32_ptr + 3 * units_phase1
+        m_star = _pick(row_max, rows, t_star)
+        s_star = _pick(row_sum, rows, t_star)
+        row = cu_lo + b + t_star
+        row_ok = (row >= 0) & (row < num_rows)
+        row_ptr = logits_ptr + row * logits_row_stride
+        p_ptr = draft_probs_ptr + (cu_lo + t_star) * draft_probs_row_stride
         res_idx = b * num_splits + s_idx
         if needs_residual:
-            m_star = _pick(row_max, rows, t_star)
-            s_star = _pick(row_sum, rows, t_star)
-            row = cu_lo + b + t_star
-            row_ok = (row >= 0) & (row < num_rows)
-            row_ptr = logits_ptr + row * logits_row_stride
-            d = cu_lo + t_star
-            p_ptr = draft_probs_ptr + d * draft_probs_row_stride
             g_run = tl.full([], NEG_INF, tl.float32)
-            cand_run = tl.full([], -1, tl.int32)
-            for c in range(c_lo, c_hi):
-                offs = c * CHUNK + offs0
+            chunk_run = tl.full([], -1, tl.int32)
+            for grp in range(g_lo, g_hi):
+                chunks = grp * GROUP + chunk_in_group
+                offs = chunks[:, None] * CHUNK + lane
                 in_row = (offs < vocab_size) & row_ok
                 lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=NEG_INF).to(tl.float32))
                 q = tl.where(lg > NEG_INF, tl.exp2((lg - m_star) * k) / s_star, 0.0)
                 p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
                 r = tl.where(q > 0.0, tl.maximum(q - p, 0.0), 0.0)
                 r = tl.where(r == r, r, 0.0)
-                cand_c, score_c = _sample_chunk(r, offs, seed, offset, t_star, c, STREAM_SAMPLE)
-                take = score_c > g_run
-                g_run = tl.where(take, score_c, g_run)
-                cand_run = tl.where(take, cand_c, cand_run)
-            tl.store(res_base + res_idx, g_run)
-            tl.store(rec_i32_ptr + 2 * units_phase1 + res_idx, cand_run)
+                score_c = _race_score(tl.sum(r, 1), seed, offset, t_star, chunks, STREAM_SAMPLE)
+                best_g = tl.max(score_c, 0)
+                chunk_g = tl.min(tl.where(score_c == best_g, chunks, 2147483647), 0)
+                take = best_g > g_run
+                g_run = tl.where(take, best_g, g_run)
+                chunk_run = tl.where(take, chunk_g, chunk_run)
+            tl.store(rec_f32_ptr + 3 * units_phase1 + res_idx, g_run)
+            tl.store(rec_i32_ptr + 2 * units_phase1 + res_idx, chunk_run)
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + num_requests + b, 1, sem="acq_rel")
         if done == num_splits - 1:
             tl.debug_barrier()
             am_star = _pick(argmax, rows, t_star)
-            sample_star = _pick(sample, rows, t_star)
-            token = tl.where(greedy, am_star, sample_star)
-            if needs_residual:
-                s = tl.arange(0, SPLITS_PAD)
-                g = tl.load(res_base + b * num_splits + s, mask=s < num_splits, other=NEG_INF,
-                            cache_modifier=".cg")
-                cand = tl.load(rec_i32_ptr + 2 * units_phase1 + b * num_splits + s,
-                               mask=s < num_splits, other=-1, cache_modifier=".cg")
-                best = tl.max(g, 0)
-                best_split = tl.min(tl.where(g == best, s, 2147483647), 0)
-                residual_token = tl.sum(tl.where(s == best_split, cand, 0), 0)
-                # A residual with no mass (q == p up to rounding) falls back to q's sample.
-                token = tl.where(best > NEG_INF, residual_token, sample_star)
+            token = am_star
+            if not greedy:
+                # q's own sample of row t*: the bonus, an invalid draft's row, or the fallback.
+                q_chunk = _pick(best_chunk, rows, t_star)
+                token = _sample_in_chunk(row_ptr, p_ptr, q_chunk, vocab_size, row_ok, k, -1, m_star,
+                                         s_star, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE)
+                if needs_residual:
+                    s = tl.arange(0, SPLITS_PAD)
+                    g = tl.load(rec_f32_ptr + 3 * units_phase1 + b * num_splits + s, mask=s < num_splits,
+                                other=NEG_INF, cache_modifier=".cg")
+                    chunk = tl.load(rec_i32_ptr + 2 * units_phase1 + b * num_splits + s,
+                                    mask=s < num_splits, other=-1, cache_modifier=".cg")
+                    best = tl.max(g, 0)
+                    best_split = tl.min(tl.where(g == best, s, 2147483647), 0)
+                    r_chunk = tl.sum(tl.where(s == best_split, chunk, 0), 0)
+                    r_chunk = tl.where(best > NEG_INF, r_chunk, -1)
+                    residual = _sample_in_chunk(row_ptr, p_ptr, r_chunk, vocab_size, row_ok, k, -1,
+                                                m_star, s_star, seed, offset, t_star, True, CHUNK,
+                                                STREAM_SAMPLE)
+                    # A residual with no mass (q == p up to rounding) falls back to q's sample.
+                    token = tl.where(residual >= 0, residual, token)
             _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_ptr,
                            max_spec_len, ROWS_PAD)
             tl.store(counter_ptr + b, 0)
@@ -401,12 +458,12 @@ def rejection_sample_triton(
     num_accepted = torch.empty((B,), dtype=torch.int32, device=device)
     if B == 0:
         return out_tokens, num_accepted
-    num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
+    num_groups = triton.cdiv(triton.cdiv(max(V, 1), SAMPLE_CHUNK), GROUP)
     if num_splits is None:
         num_splits = triton.cdiv(_target_programs(device), max(R, 1))
-    num_splits = max(1, min(num_splits, num_chunks))
-    chunks_per_split = triton.cdiv(num_chunks, num_splits)
-    num_splits = triton.cdiv(num_chunks, chunks_per_split)
+    num_splits = max(1, min(num_splits, num_groups))
+    groups_per_split = triton.cdiv(num_groups, num_splits)
+    num_splits = triton.cdiv(num_groups, groups_per_split)
     has_draft_probs = draft_probs is not None
     units_phase1 = B * (L + 1) * num_splits
     units_phase2 = B * num_splits if has_draft_probs else 0
@@ -425,13 +482,14 @@ def rejection_sample_triton(
         out_tokens, num_accepted,
         rec_f32, rec_i32, counters,
         B, R, V, L,
-        num_splits, chunks_per_split, num_chunks, units_phase1, units_total,
+        num_splits, groups_per_split, num_groups, units_phase1, units_total,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
         HAS_OFFSETS=offsets is not None,
         ROWS_PAD=triton.next_power_of_2(L + 1),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         CHUNK=SAMPLE_CHUNK,
+        GROUP=GROUP,
         STREAM_ACCEPT=STREAM_ACCEPT,
         STREAM_SAMPLE=STREAM_SAMPLE,
         num_warps=NUM_WARPS,
