@@ -2,6 +2,7 @@
 # The GPU machine's check, one command: build for this card, run the whole test suite on the
 # GPU, run the benchmark. Results go to $OUT (the device tool's folder) or ./gpu_out.
 #   bash scripts/gpu_check.sh [core|full]      (benchmark sweep, default core)
+#   TESTS=python_tests/test_backends.py ...    (a subset of the tests)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available_backends())" 2>&1 | tee -a "$OUT/env.txt"
 
 start=$(date +%s)
-timeout 420 python3 -m pytest -q -rfE --timeout=180 python_tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+timeout 420 python3 -m pytest -q -rfE --timeout=180 ${TESTS:-python_tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 
 start=$(date +%s)

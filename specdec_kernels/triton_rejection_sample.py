@@ -104,46 +104,68 @@ def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row
 
 
 @triton.jit
-def _race_score(total, seed, offset, node, chunk_ids, STREAM_SAMPLE: tl.constexpr):
-    """Exponential race over chunks: log2(W_c) - log2(-log2(v_c)); -inf for empty chunks."""
-    w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, node, chunk_ids)
-    return tl.where(total > 0.0, tl.log2(total) - tl.log2(-tl.log2(_open_uniform(w1))), float("-inf"))
+def _race_winner(table_m_ptr, table_w_ptr, num_chunks, row_max, k, seed, offset, node,
+                 HAS_MAX: tl.constexpr, CHUNKS_PAD: tl.constexpr, STREAM_SAMPLE: tl.constexpr):
+    """The chunk race of one row from its table of chunk totals: the chunk maximizing
+    log2(W_c) [+ (m_c - row_max) k] - log2(-log2(v_c)); -1 if every chunk is empty.
+    With HAS_MAX the totals are relative to the chunk maxima m_c, else absolute."""
+    c = tl.arange(0, CHUNKS_PAD)
+    in_table = c < num_chunks
+    w = tl.load(table_w_ptr + c, mask=in_table, other=0.0, cache_modifier=".cg")
+    score = tl.log2(w)
+    if HAS_MAX:
+        m = tl.load(table_m_ptr + c, mask=in_table, other=float("-inf"), cache_modifier=".cg")
+        score = score + (m - row_max) * k
+    w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, node, c)
+    score = tl.where(w > 0.0, score - tl.log2(-tl.log2(_open_uniform(w1))), float("-inf"))
+    best = tl.max(score, 0)
+    winner = tl.min(tl.where(score == best, c, 2147483647), 0)
+    return tl.where(best > float("-inf"), winner, -1)
+
+
+@triton.jit
+def _row_argmax(row_ptr, row_ok, vocab_size, BLOCK: tl.constexpr):
+    """Lowest index of the row maximum, -1 without a valid logit. A slow path: the stream
+    keeps argmaxes for greedy requests only, and random ones need it only as a fallback."""
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 2147483647, tl.int32)
+    for start in range(0, vocab_size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lg = _sanitize(tl.load(row_ptr + offs, mask=(offs < vocab_size) & row_ok, other=float("-inf")).to(tl.float32))
+        m = tl.max(lg, 0)
+        idx = tl.min(tl.where(lg == m, offs, 2147483647), 0)
+        take = m > best_val
+        best_idx = tl.where(take, idx, best_idx)
+        best_val = tl.where(take, m, best_val)
+    return tl.where(best_val > float("-inf"), best_idx, -1)
 
 
 @triton.jit
 def _request_decision(
     b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts, draft_probs_ptr,
-    draft_probs_row_stride, rec_f32_ptr, rec_i32_ptr, units_phase1, num_rows, vocab_size,
+    draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, num_rows, vocab_size,
     max_spec_len, num_splits, seed, offset, k, greedy,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr,
 ):
     """Combine a request's phase-1 records and run its accept tests, all positions at once.
 
-    Returns (t_star, drafts, row_max, row_sum, argmax, best_chunk): t_star = accepted drafts;
-    the per-row vectors are indexed by position; best_chunk is the winner of the row's race.
+    Returns (t_star, drafts, row_max, row_sum, argmax): t_star = accepted drafts; the
+    per-row vectors are indexed by position (argmax is -1 for random requests).
     """
     t = tl.arange(0, ROWS_PAD)
     s = tl.arange(0, SPLITS_PAD)
     rec = (b * (max_spec_len + 1) + t[:, None]) * num_splits + s[None, :]
     rec_mask = (t[:, None] <= n) & (s[None, :] < num_splits)
-    m = tl.load(rec_f32_ptr + rec, mask=rec_mask, other=float("-inf"), cache_modifier=".cg")
-    sv = tl.load(rec_f32_ptr + units_phase1 + rec, mask=rec_mask, other=0.0, cache_modifier=".cg")
-    g = tl.load(rec_f32_ptr + 2 * units_phase1 + rec, mask=rec_mask, other=float("-inf"), cache_modifier=".cg")
-    am = tl.load(rec_i32_ptr + rec, mask=rec_mask, other=-1, cache_modifier=".cg")
-    chunk = tl.load(rec_i32_ptr + units_phase1 + rec, mask=rec_mask, other=-1, cache_modifier=".cg")
+    m = tl.load(rec_m_ptr + rec, mask=rec_mask, other=float("-inf"), cache_modifier=".cg")
+    sv = tl.load(rec_s_ptr + rec, mask=rec_mask, other=0.0, cache_modifier=".cg")
+    am = tl.load(rec_am_ptr + rec, mask=rec_mask, other=-1, cache_modifier=".cg")
 
     row_max = tl.max(m, 1)
     live = m > float("-inf")
-    shift = (m - row_max[:, None]) * k
-    row_sum = tl.sum(tl.where(live, sv * tl.exp2(shift), 0.0), 1)
+    row_sum = tl.sum(tl.where(live, sv * tl.exp2((m - row_max[:, None]) * k), 0.0), 1)
     argmax = tl.min(tl.where(live & (m == row_max[:, None]), am, 2147483647), 1)
     argmax = tl.where(row_max > float("-inf"), argmax, -1)
-    score = tl.where(live & (g > float("-inf")), g + shift, float("-inf"))
-    best = tl.max(score, 1)
-    best_split = tl.min(tl.where(score == best[:, None], s[None, :], 2147483647), 1)
-    best_chunk = tl.sum(tl.where(s[None, :] == best_split[:, None], chunk, 0), 1)
-    best_chunk = tl.where(best > float("-inf"), best_chunk, -1)
 
     # Accept tests: draft t is tested against row t.
     is_draft = t < n
@@ -168,7 +190,7 @@ def _request_decision(
     else:
         accept = x_ok & (u * p_x < q_x)
     t_star = tl.min(tl.where(is_draft & (accept == 0), t, n), 0)
-    return t_star, x, row_max, row_sum, argmax, best_chunk
+    return t_star, x, row_max, row_sum, argmax
 
 
 @triton.jit
@@ -194,11 +216,12 @@ def _rejection_sample_kernel(
     draft_probs_ptr, draft_probs_row_stride,
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
-    rec_f32_ptr, rec_i32_ptr, counter_ptr,
+    rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
-    num_splits, groups_per_split, num_groups, units_phase1, units_total,
+    num_splits, groups_per_split, num_groups, num_chunks, units_phase1, units_total,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
@@ -242,85 +265,77 @@ def _rejection_sample_kernel(
             row = cu_lo + b + t
             row_ok = (row >= 0) & (row < num_rows)
             row_ptr = logits_ptr + row * logits_row_stride
+            table_row = row * num_chunks
             excluded = tl.full([], -1, tl.int32)
             if not HAS_DRAFT_PROBS:
                 d = cu_lo + t
                 if (t < n) & (d >= 0) & (d < num_drafts):
                     excluded = tl.load(draft_ids_ptr + d).to(tl.int32)
-            do_sample = not greedy
-            m_run = tl.full([], NEG_INF, tl.float32)
-            s_run = tl.zeros([], tl.float32)
-            am_run = tl.full([], -1, tl.int32)
-            g_run = tl.full([], NEG_INF, tl.float32)
-            chunk_run = tl.full([], -1, tl.int32)
+            # Per tile row (= chunk position) running max / sum / first argmax; the tile rows
+            # are combined once at the end, so the loop has no cross-warp reduction.
+            m_vec = tl.full([GROUP], NEG_INF, tl.float32)
+            s_vec = tl.zeros([GROUP], tl.float32)
+            am_vec = tl.full([GROUP], 2147483647, tl.int32)
             for grp in range(g_lo, g_hi):
                 chunks = grp * GROUP + chunk_in_group
                 offs = chunks[:, None] * CHUNK + lane
                 lg = tl.load(row_ptr + offs, mask=(offs < vocab_size) & row_ok, other=NEG_INF).to(tl.float32)
                 lg = _sanitize(lg)
-                # Per chunk: max, first argmax, sum of exp2((l - max) k).
                 m_c = tl.max(lg, 1)
-                c_live = m_c > NEG_INF
-                am_c = tl.min(tl.where(lg == m_c[:, None], offs, 2147483647), 1)
                 w = tl.where(lg > NEG_INF, tl.exp2((lg - m_c[:, None]) * k), 0.0)
                 s_c = tl.sum(w, 1)
-                if do_sample:
-                    # The race needs only chunk totals (the draft token left out for
-                    # deterministic drafts); the in-chunk inverse CDF runs later, once.
-                    w_race = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
-                    score_c = _race_score(w_race, seed, offset, t, chunks, STREAM_SAMPLE)
+                if greedy:
+                    am_c = tl.min(tl.where(lg == m_c[:, None], offs, 2147483647), 1)
+                    am_vec = tl.where(m_c > m_vec, am_c, am_vec)
                 else:
-                    score_c = tl.full([GROUP], NEG_INF, tl.float32)
-                # Combine the tile's chunks, then the tile with the running state.
-                m_g = tl.max(m_c, 0)
-                g_live = m_g > NEG_INF
-                shift_c = tl.where(c_live, (m_c - m_g) * k, NEG_INF)
-                s_g = tl.sum(tl.where(c_live, s_c * tl.exp2(shift_c), 0.0), 0)
-                am_g = tl.min(tl.where(c_live & (m_c == m_g), am_c, 2147483647), 0)
-                g_c = tl.where(score_c > NEG_INF, score_c + shift_c, NEG_INF)
-                best_g = tl.max(g_c, 0)
-                chunk_g = tl.min(tl.where(g_c == best_g, chunks, 2147483647), 0)
-
-                m_new = tl.maximum(m_run, m_g)
-                run_live = m_run > NEG_INF
-                s_run = tl.where(run_live, s_run * tl.exp2((m_run - m_new) * k), 0.0) \
-                    + tl.where(g_live, s_g * tl.exp2((m_g - m_new) * k), 0.0)
-                am_run = tl.where(m_g > m_run, am_g, am_run)
-                g_old = tl.where(run_live, g_run + (m_run - m_new) * k, NEG_INF)
-                g_new = tl.where(g_live, best_g + (m_g - m_new) * k, NEG_INF)
-                take = g_new > g_old
-                g_run = tl.where(take, g_new, g_old)
-                chunk_run = tl.where(take, chunk_g, chunk_run)
-                m_run = m_new
+                    # The chunk table of this row: the race and the in-chunk inverse CDF
+                    # run later, once, on the row that is sampled. Deterministic drafts
+                    # leave the draft token out (that is the residual).
+                    w_chunk = s_c
+                    if excluded >= 0:
+                        w_chunk = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
+                    in_table = (chunks < num_chunks) & row_ok
+                    tl.store(table_m_ptr + table_row + chunks, m_c, mask=in_table)
+                    tl.store(table_w_ptr + table_row + chunks, w_chunk, mask=in_table)
+                m_new = tl.maximum(m_vec, m_c)
+                s_vec = tl.where(m_vec > NEG_INF, s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
+                    + tl.where(m_c > NEG_INF, s_c * tl.exp2((m_c - m_new) * k), 0.0)
+                m_vec = m_new
+            m_run = tl.max(m_vec, 0)
+            live = m_vec > NEG_INF
+            s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
+            am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
+            am_run = tl.where(am_run == 2147483647, -1, am_run)
             rec = (b * (max_spec_len + 1) + t) * num_splits + s_idx
-            tl.store(rec_f32_ptr + rec, m_run)
-            tl.store(rec_f32_ptr + units_phase1 + rec, s_run)
-            tl.store(rec_f32_ptr + 2 * units_phase1 + rec, g_run)
-            tl.store(rec_i32_ptr + rec, am_run)
-            tl.store(rec_i32_ptr + units_phase1 + rec, chunk_run)
+            tl.store(rec_m_ptr + rec, m_run)
+            tl.store(rec_s_ptr + rec, s_run)
+            tl.store(rec_am_ptr + rec, am_run)
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits - 1:
                     tl.debug_barrier()
-                    t_star, drafts, row_max, row_sum, argmax, best_chunk = _request_decision(
+                    t_star, drafts, row_max, row_sum, argmax = _request_decision(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
-                        draft_probs_ptr, draft_probs_row_stride, rec_f32_ptr, rec_i32_ptr,
-                        units_phase1, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
+                        draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
+                        num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
                         k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
                     rows = tl.arange(0, ROWS_PAD)
-                    am_star = _pick(argmax, rows, t_star)
-                    token = am_star
+                    token = _pick(argmax, rows, t_star)
                     if not greedy:
-                        chunk_star = _pick(best_chunk, rows, t_star)
-                        x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
                         row = cu_lo + b + t_star
-                        sample = _sample_in_chunk(
-                            logits_ptr + row * logits_row_stride, draft_probs_ptr, chunk_star, vocab_size,
-                            (row >= 0) & (row < num_rows), k, x_star, 0.0, 1.0, seed, offset, t_star,
-                            False, CHUNK, STREAM_SAMPLE)
-                        # q minus the rejected draft is empty only if q is a point mass: its argmax.
-                        token = tl.where(sample >= 0, sample, am_star)
+                        row_ok = (row >= 0) & (row < num_rows)
+                        row_ptr = logits_ptr + row * logits_row_stride
+                        x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
+                        chunk = _race_winner(table_m_ptr + row * num_chunks, table_w_ptr + row * num_chunks,
+                                             num_chunks, _pick(row_max, rows, t_star), k, seed, offset,
+                                             t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
+                        token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
+                                                 x_star, 0.0, 1.0, seed, offset, t_star, False, CHUNK,
+                                                 STREAM_SAMPLE)
+                        if token < 0:
+                            # q minus the rejected draft is empty only if q is a point mass.
+                            token = _row_argmax(row_ptr, row_ok, vocab_size, GROUP * CHUNK)
                     _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_ptr,
                                    max_spec_len, ROWS_PAD)
                     tl.store(counter_ptr + b, 0)
@@ -331,10 +346,10 @@ def _rejection_sample_kernel(
         while seen < need:
             seen = tl.atomic_add(counter_ptr + b, 0, sem="acquire")
         tl.debug_barrier()
-        t_star, drafts, row_max, row_sum, argmax, best_chunk = _request_decision(
+        t_star, drafts, row_max, row_sum, argmax = _request_decision(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
-            draft_probs_ptr, draft_probs_row_stride, rec_f32_ptr, rec_i32_ptr,
-            units_phase1, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
+            draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
+            num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
             k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
         rows = tl.arange(0, ROWS_PAD)
         # An invalid draft id at t* (e.g. -1 padding) ends the chain: its row's q sample is final.
@@ -346,10 +361,8 @@ def _rejection_sample_kernel(
         row_ok = (row >= 0) & (row < num_rows)
         row_ptr = logits_ptr + row * logits_row_stride
         p_ptr = draft_probs_ptr + (cu_lo + t_star) * draft_probs_row_stride
-        res_idx = b * num_splits + s_idx
+        table_r_row = table_r_ptr + b * num_chunks
         if needs_residual:
-            g_run = tl.full([], NEG_INF, tl.float32)
-            chunk_run = tl.full([], -1, tl.int32)
             for grp in range(g_lo, g_hi):
                 chunks = grp * GROUP + chunk_in_group
                 offs = chunks[:, None] * CHUNK + lane
@@ -359,40 +372,27 @@ def _rejection_sample_kernel(
                 p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
                 r = tl.where(q > 0.0, tl.maximum(q - p, 0.0), 0.0)
                 r = tl.where(r == r, r, 0.0)
-                score_c = _race_score(tl.sum(r, 1), seed, offset, t_star, chunks, STREAM_SAMPLE)
-                best_g = tl.max(score_c, 0)
-                chunk_g = tl.min(tl.where(score_c == best_g, chunks, 2147483647), 0)
-                take = best_g > g_run
-                g_run = tl.where(take, best_g, g_run)
-                chunk_run = tl.where(take, chunk_g, chunk_run)
-            tl.store(rec_f32_ptr + 3 * units_phase1 + res_idx, g_run)
-            tl.store(rec_i32_ptr + 2 * units_phase1 + res_idx, chunk_run)
+                tl.store(table_r_row + chunks, tl.sum(r, 1), mask=chunks < num_chunks)
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + num_requests + b, 1, sem="acq_rel")
         if done == num_splits - 1:
             tl.debug_barrier()
-            am_star = _pick(argmax, rows, t_star)
-            token = am_star
+            token = _pick(argmax, rows, t_star)
             if not greedy:
-                # q's own sample of row t*: the bonus, an invalid draft's row, or the fallback.
-                q_chunk = _pick(best_chunk, rows, t_star)
-                token = _sample_in_chunk(row_ptr, p_ptr, q_chunk, vocab_size, row_ok, k, -1, m_star,
-                                         s_star, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE)
+                token = tl.full([], -1, tl.int32)
                 if needs_residual:
-                    s = tl.arange(0, SPLITS_PAD)
-                    g = tl.load(rec_f32_ptr + 3 * units_phase1 + b * num_splits + s, mask=s < num_splits,
-                                other=NEG_INF, cache_modifier=".cg")
-                    chunk = tl.load(rec_i32_ptr + 2 * units_phase1 + b * num_splits + s,
-                                    mask=s < num_splits, other=-1, cache_modifier=".cg")
-                    best = tl.max(g, 0)
-                    best_split = tl.min(tl.where(g == best, s, 2147483647), 0)
-                    r_chunk = tl.sum(tl.where(s == best_split, chunk, 0), 0)
-                    r_chunk = tl.where(best > NEG_INF, r_chunk, -1)
-                    residual = _sample_in_chunk(row_ptr, p_ptr, r_chunk, vocab_size, row_ok, k, -1,
-                                                m_star, s_star, seed, offset, t_star, True, CHUNK,
-                                                STREAM_SAMPLE)
-                    # A residual with no mass (q == p up to rounding) falls back to q's sample.
-                    token = tl.where(residual >= 0, residual, token)
+                    chunk = _race_winner(table_r_row, table_r_row, num_chunks, m_star, k, seed, offset,
+                                         t_star, False, CHUNKS_PAD, STREAM_SAMPLE)
+                    token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_star,
+                                             s_star, seed, offset, t_star, True, CHUNK, STREAM_SAMPLE)
+                if token < 0:
+                    # q's own sample of row t*: the bonus, an invalid draft's row, or a residual
+                    # with no mass (q == p up to rounding), with the same noise.
+                    chunk = _race_winner(table_m_ptr + row * num_chunks, table_w_ptr + row * num_chunks,
+                                         num_chunks, m_star, k, seed, offset, t_star, True, CHUNKS_PAD,
+                                         STREAM_SAMPLE)
+                    token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_star,
+                                             s_star, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE)
             _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_ptr,
                            max_spec_len, ROWS_PAD)
             tl.store(counter_ptr + b, 0)
@@ -458,7 +458,8 @@ def rejection_sample_triton(
     num_accepted = torch.empty((B,), dtype=torch.int32, device=device)
     if B == 0:
         return out_tokens, num_accepted
-    num_groups = triton.cdiv(triton.cdiv(max(V, 1), SAMPLE_CHUNK), GROUP)
+    num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
+    num_groups = triton.cdiv(num_chunks, GROUP)
     if num_splits is None:
         num_splits = triton.cdiv(_target_programs(device), max(R, 1))
     num_splits = max(1, min(num_splits, num_groups))
@@ -468,8 +469,16 @@ def rejection_sample_triton(
     units_phase1 = B * (L + 1) * num_splits
     units_phase2 = B * num_splits if has_draft_probs else 0
     units_total = units_phase1 + units_phase2
-    rec_f32, rec_i32, counters = _workspace(
-        device, 3 * units_phase1 + units_phase2, 2 * units_phase1 + units_phase2, 2 * B + 2)
+    # Records: (max, sum) per unit in f32, argmax per unit in i32; chunk tables (max, total)
+    # per target row and the residual table per request.
+    n_table = R * num_chunks
+    f32, i32, counters = _workspace(
+        device, 2 * units_phase1 + 2 * n_table + B * num_chunks, units_phase1, 2 * B + 2)
+    rec_m = f32[:units_phase1]
+    rec_s = f32[units_phase1:2 * units_phase1]
+    table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
+    table_w = f32[2 * units_phase1 + n_table:2 * units_phase1 + 2 * n_table]
+    table_r = f32[2 * units_phase1 + 2 * n_table:]
     _rejection_sample_kernel[(units_total,)](
         target_logits, target_logits.stride(0),
         draft_token_ids, draft_token_ids.shape[0],
@@ -480,14 +489,15 @@ def rejection_sample_triton(
         seeds,
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
-        rec_f32, rec_i32, counters,
+        rec_m, rec_s, i32, table_m, table_w, table_r, counters,
         B, R, V, L,
-        num_splits, groups_per_split, num_groups, units_phase1, units_total,
+        num_splits, groups_per_split, num_groups, num_chunks, units_phase1, units_total,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
         HAS_OFFSETS=offsets is not None,
         ROWS_PAD=triton.next_power_of_2(L + 1),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
+        CHUNKS_PAD=triton.next_power_of_2(num_chunks),
         CHUNK=SAMPLE_CHUNK,
         GROUP=GROUP,
         STREAM_ACCEPT=STREAM_ACCEPT,
