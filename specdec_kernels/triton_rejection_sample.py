@@ -24,6 +24,9 @@ zero between calls and the launch is CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,8 +36,10 @@ from .philox import NODE_BITS, SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
 BIG_INDEX = 2147483647
-NUM_WARPS = 8
-GROUP = 16  # chunks per loop iteration: a [16, 256] tile = 4096 logits
+# Tile = GROUP chunks of 256 logits per loop iteration; tuning knobs (benchmarks/README.md).
+NUM_WARPS = int(os.environ.get("SPECDEC_TRITON_WARPS", "8"))
+GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "16"))
+PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
 
 
 @triton.jit
@@ -218,7 +223,8 @@ def _rejection_sample_kernel(
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
-    num_splits, groups_per_split, num_groups, num_chunks, units_phase1, units_total,
+    num_splits, groups_per_split, residual_splits, residual_groups_per_split, num_groups, num_chunks,
+    units_phase1, units_total,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
@@ -238,8 +244,8 @@ def _rejection_sample_kernel(
         b = row_unit // (max_spec_len + 1)
         t = row_unit % (max_spec_len + 1)
     else:
-        s_idx = (unit - units_phase1) % num_splits
-        b = (unit - units_phase1) // num_splits
+        s_idx = (unit - units_phase1) % residual_splits
+        b = (unit - units_phase1) // residual_splits
         t = 0
     cu_lo = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_spec_len)
@@ -257,8 +263,12 @@ def _rejection_sample_kernel(
     # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
     lane = tl.arange(0, CHUNK)[None, :]
     chunk_in_group = tl.arange(0, GROUP)
-    g_lo = s_idx * groups_per_split
-    g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+    if is_phase1:
+        g_lo = s_idx * groups_per_split
+        g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+    else:
+        g_lo = s_idx * residual_groups_per_split
+        g_hi = tl.minimum(g_lo + residual_groups_per_split, num_groups)
 
     if is_phase1:
         if t <= n:
@@ -276,11 +286,18 @@ def _rejection_sample_kernel(
             m_vec = tl.full([GROUP], NEG_INF, tl.float32)
             s_vec = tl.zeros([GROUP], tl.float32)
             am_vec = tl.full([GROUP], 2147483647, tl.int32)
+            # The next tile is loaded before this one is reduced, so two tiles are in flight.
+            offs_next = (g_lo * GROUP + chunk_in_group)[:, None] * CHUNK + lane
+            raw_next = tl.load(row_ptr + offs_next, mask=(offs_next < vocab_size) & row_ok & (g_lo < g_hi),
+                               other=NEG_INF)
             for grp in range(g_lo, g_hi):
                 chunks = grp * GROUP + chunk_in_group
-                offs = chunks[:, None] * CHUNK + lane
-                lg = tl.load(row_ptr + offs, mask=(offs < vocab_size) & row_ok, other=NEG_INF).to(tl.float32)
-                lg = _sanitize(lg)
+                offs = offs_next
+                raw = raw_next
+                offs_next = offs + GROUP * CHUNK
+                raw_next = tl.load(row_ptr + offs_next,
+                                   mask=(offs_next < vocab_size) & row_ok & (grp + 1 < g_hi), other=NEG_INF)
+                lg = _sanitize(raw.to(tl.float32))
                 m_c = tl.max(lg, 1)
                 w = tl.where(lg > NEG_INF, tl.exp2((lg - m_c[:, None]) * k), 0.0)
                 s_c = tl.sum(w, 1)
@@ -375,7 +392,7 @@ def _rejection_sample_kernel(
                 tl.store(table_r_row + chunks, tl.sum(r, 1), mask=chunks < num_chunks)
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + num_requests + b, 1, sem="acq_rel")
-        if done == num_splits - 1:
+        if done == residual_splits - 1:
             tl.debug_barrier()
             token = _pick(argmax, rows, t_star)
             if not greedy:
@@ -431,9 +448,10 @@ def _workspace(device: torch.device, n_f32: int, n_i32: int, n_counters: int):
     return ws
 
 
+@functools.lru_cache(maxsize=None)
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # interpreter: a few splits so the combine paths are exercised
 
 
@@ -466,8 +484,11 @@ def rejection_sample_triton(
     groups_per_split = triton.cdiv(num_groups, num_splits)
     num_splits = triton.cdiv(num_groups, groups_per_split)
     has_draft_probs = draft_probs is not None
+    # The residual reads one row per request: split it so the phase keeps the GPU busy too.
+    residual_groups_per_split = triton.cdiv(num_groups, max(1, min(num_groups, triton.cdiv(_target_programs(device), B))))
+    residual_splits = triton.cdiv(num_groups, residual_groups_per_split)
     units_phase1 = B * (L + 1) * num_splits
-    units_phase2 = B * num_splits if has_draft_probs else 0
+    units_phase2 = B * residual_splits if has_draft_probs else 0
     units_total = units_phase1 + units_phase2
     # Records: (max, sum) per unit in f32, argmax per unit in i32; chunk tables (max, total)
     # per target row and the residual table per request.
@@ -491,7 +512,8 @@ def rejection_sample_triton(
         out_tokens, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, counters,
         B, R, V, L,
-        num_splits, groups_per_split, num_groups, num_chunks, units_phase1, units_total,
+        num_splits, groups_per_split, residual_splits, residual_groups_per_split, num_groups, num_chunks,
+        units_phase1, units_total,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
         HAS_OFFSETS=offsets is not None,
