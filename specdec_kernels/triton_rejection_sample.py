@@ -75,8 +75,36 @@ def _open_uniform(word):
 
 @triton.jit
 def _sanitize(logits):
-    logits = tl.where(logits != logits, float("-inf"), logits)
-    return tl.minimum(logits, 3.4028234663852886e38)
+    """NaN -> -inf, +inf -> FLT_MAX, in one clamp: min/max that drop NaN operands (as the
+    GPU's max.f32 and the interpreter's fmax do)."""
+    return tl.clamp(logits, float("-inf"), 3.4028234663852886e38)
+
+
+@triton.jit
+def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec, s_vec, am_vec,
+                 table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+    """Fold one [GROUP, CHUNK] tile of a row into the per-tile-row running max / sum / argmax,
+    and write the tile's chunk table (random requests)."""
+    lg = _sanitize(raw.to(tl.float32))
+    m_c = tl.max(lg, 1)
+    m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
+    w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
+    s_c = tl.sum(w, 1)
+    if greedy:
+        am_c = tl.min(tl.where(lg == m_c[:, None], tile_start + tile_lane, 2147483647), 1)
+        am_vec = tl.where(m_c > m_vec, am_c, am_vec)
+    else:
+        w_chunk = s_c
+        rel = excluded - tile_start
+        if (rel >= 0) & (rel < GROUP * CHUNK):
+            # Deterministic drafts: the draft token's chunk total leaves it out.
+            w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
+        tl.store(table_m_row + chunks, m_c, mask=chunks < num_chunks)
+        tl.store(table_w_row + chunks, w_chunk, mask=chunks < num_chunks)
+    m_new = tl.maximum(m_vec, m_c)
+    s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
+        + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
+    return m_new, s_vec, am_vec
 
 
 @triton.jit
@@ -275,7 +303,6 @@ def _rejection_sample_kernel(
             row = cu_lo + b + t
             row_ok = (row >= 0) & (row < num_rows)
             row_ptr = logits_ptr + row * logits_row_stride
-            table_row = row * num_chunks
             excluded = tl.full([], -1, tl.int32)
             if not HAS_DRAFT_PROBS:
                 d = cu_lo + t
@@ -286,38 +313,29 @@ def _rejection_sample_kernel(
             m_vec = tl.full([GROUP], NEG_INF, tl.float32)
             s_vec = tl.zeros([GROUP], tl.float32)
             am_vec = tl.full([GROUP], 2147483647, tl.int32)
-            # The next tile is loaded before this one is reduced, so two tiles are in flight.
-            offs_next = (g_lo * GROUP + chunk_in_group)[:, None] * CHUNK + lane
-            raw_next = tl.load(row_ptr + offs_next, mask=(offs_next < vocab_size) & row_ok & (g_lo < g_hi),
-                               other=NEG_INF)
-            for grp in range(g_lo, g_hi):
-                chunks = grp * GROUP + chunk_in_group
-                offs = offs_next
-                raw = raw_next
-                offs_next = offs + GROUP * CHUNK
-                raw_next = tl.load(row_ptr + offs_next,
-                                   mask=(offs_next < vocab_size) & row_ok & (grp + 1 < g_hi), other=NEG_INF)
-                lg = _sanitize(raw.to(tl.float32))
-                m_c = tl.max(lg, 1)
-                w = tl.where(lg > NEG_INF, tl.exp2((lg - m_c[:, None]) * k), 0.0)
-                s_c = tl.sum(w, 1)
-                if greedy:
-                    am_c = tl.min(tl.where(lg == m_c[:, None], offs, 2147483647), 1)
-                    am_vec = tl.where(m_c > m_vec, am_c, am_vec)
-                else:
-                    # The chunk table of this row: the race and the in-chunk inverse CDF
-                    # run later, once, on the row that is sampled. Deterministic drafts
-                    # leave the draft token out (that is the residual).
-                    w_chunk = s_c
-                    if excluded >= 0:
-                        w_chunk = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
-                    in_table = (chunks < num_chunks) & row_ok
-                    tl.store(table_m_ptr + table_row + chunks, m_c, mask=in_table)
-                    tl.store(table_w_ptr + table_row + chunks, w_chunk, mask=in_table)
-                m_new = tl.maximum(m_vec, m_c)
-                s_vec = tl.where(m_vec > NEG_INF, s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
-                    + tl.where(m_c > NEG_INF, s_c * tl.exp2((m_c - m_new) * k), 0.0)
-                m_vec = m_new
+            table_m_row = table_m_ptr + row * num_chunks
+            table_w_row = table_w_ptr + row * num_chunks
+            tile_lane = chunk_in_group[:, None] * CHUNK + lane
+            full_groups = vocab_size // (GROUP * CHUNK)
+            full_hi = tl.minimum(g_hi, full_groups)
+            if row_ok & (g_lo < full_hi):
+                # Whole tiles: no masks; the next tile is loaded before this one is reduced.
+                raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
+                for grp in range(g_lo, full_hi):
+                    raw = raw_next
+                    raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
+                                       mask=grp + 1 < full_hi, other=0.0)
+                    m_vec, s_vec, am_vec = _stream_tile(
+                        raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
+                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+            tail = tl.maximum(g_lo, full_groups)
+            if row_ok & (tail < g_hi):
+                # The last, partial tile of the vocabulary.
+                offs = tail * (GROUP * CHUNK) + tile_lane
+                raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
+                m_vec, s_vec, am_vec = _stream_tile(
+                    raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
+                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
             m_run = tl.max(m_vec, 0)
             live = m_vec > NEG_INF
             s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
