@@ -37,8 +37,8 @@ LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
 BIG_INDEX = 2147483647
 # Tile = GROUP chunks of 256 logits per loop iteration; tuning knobs (benchmarks/README.md).
-NUM_WARPS = int(os.environ.get("SPECDEC_TRITON_WARPS", "8"))
-GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "16"))
+NUM_WARPS = int(os.environ.get("SPECDEC_TRITON_WARPS", "4"))
+GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "8"))
 PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
 
 
