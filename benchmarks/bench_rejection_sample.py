@@ -119,11 +119,13 @@ def floor_us(batch, k, vocab, dtype, draft_probs, bandwidth) -> float:
 
 
 def versions() -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                         cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
-    except Exception:
-        commit = "unknown"
+    commit = os.environ.get("SPECDEC_COMMIT")  # copies without .git (the GPU machine) pass it
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL,
+                                             cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
+        except Exception:
+            commit = "unknown"
     return dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, commit=commit)
 

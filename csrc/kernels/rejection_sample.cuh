@@ -1,0 +1,1356 @@
+// Fused chain verification (docs/ALGORITHM.md): one launch per call, torch-free.
+//
+// Work units, numbered like the Triton kernel (specdec_kernels/triton_rejection_sample.py):
+//   phase 1: unit (request b, row t, split s), t = 0..max_spec_len; units with t > n_b exit.
+//            Streams tiles [s * tiles_per_split, ...) of target row cu[b] + b + t once and
+//            writes an RsSplitRecord: max, sum of exp2((l - max) k), greedy argmax, and for
+//            random requests the split's winner of the chunk race with its in-chunk
+//            inverse-CDF sample; split 0 also the draft x_t, l(x_t) and p(x_t), so the
+//            decision needs no dependent loads. For deterministic drafts row t < n_b leaves
+//            x_t out of its sample (that is the residual).
+//   phase 2: only with draft probabilities: unit (request b, residual split s). Waits for the
+//            request's phase 1, recomputes the (cheap) decision and samples its split of the
+//            one rejected row from max(0, q - p) the same way (RsResidualRecord).
+// The unit that finishes a request last (an atomic counter per request) combines the records,
+// runs the accept tests, writes the outputs and resets the counter, so the cached workspace
+// is zero between calls (CUDA graphs); it reads nothing but records. With draft
+// probabilities units are handed out by an atomic ticket in the order CTAs start, so a
+// phase-2 unit only waits for phase-1 units that already run: no deadlock.
+//
+// The chunk race (docs/ALGORITHM.md §3) runs in the stream rather than over a table of row
+// t* afterwards: the same scores and winner (up to float rounding), no table traffic, and the
+// request's last unit reads nothing but records. Each lane group races the chunks it streams,
+// in increasing order, relative to its running max (branch-free: score and chunk); at the end
+// the unit combines the groups and one warp locates the inverse-CDF sample inside the unit's
+// winning chunk, from the staging buffers while its tile is still there, else from global
+// memory (L2). The noise (u_c, log2(-log2(v_c))) of a unit's chunks is precomputed into
+// shared memory.
+//
+// One CTA of 256 threads per unit. A tile is 32 chunks of 256 logits; lane group g (a
+// quarter-warp, threads 8g .. 8g + 7) holds chunk g, 32 logits per lane as 4 segments of 8
+// consecutive logits (one 16-byte load of bf16 / fp16, two of fp32; a group's load covers 128
+// contiguous bytes). So a chunk's max and sum are 3-step shuffle reductions that one warp
+// instruction does for 4 chunks, the per-chunk race costs a few instructions per 32 logits,
+// and the streaming loop has no CTA barrier: about 8 instructions per logit in all (4 of
+// them the conversion, the exp2 as one FMA + MUFU, and the sum). Tiles are staged through
+// shared memory with cp.async (sm_80+), each thread copying and reading back only its own
+// segments (no barrier either), so no registers hold data in flight: with 16-bit logits two
+// tiles (32 KB) are in flight per CTA while one is processed, and 4 CTAs per SM (64
+// registers) keep up to 128 KB in flight per SM. Rare paths (NaN / +inf logits, the excluded
+// draft) recompute weights from the staged tile instead of keeping them in registers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/philox.cuh"
+
+namespace specdec {
+
+constexpr int kSampleChunk = 256;  // docs/ALGORITHM.md §3; sampling lanes are chunk indices
+constexpr int kRsThreads = 256;
+constexpr int kRsWarps = kRsThreads / 32;
+constexpr int kRsChunkLanes = 8;  // a lane group (quarter-warp) holds a chunk: 32 logits per lane
+constexpr int kRsGroups = kRsThreads / kRsChunkLanes;  // 32 chunks per tile
+constexpr int kRsLaneEntries = 8;                      // a segment: 16 bytes of bf16 / fp16, 32 of fp32
+constexpr int kRsLaneSegments = kSampleChunk / (kRsChunkLanes * kRsLaneEntries);  // 4: entries 64 s + 8 l
+constexpr int kRsTileChunks = kRsGroups;
+constexpr int kRsTileEntries = kRsTileChunks * kSampleChunk;  // 8192
+constexpr int kRsMaxSplits = 64;     // a row's records are combined by one warp, two per lane
+constexpr int kRsMaxUnitTiles = 16;  // a unit's race noise lives in shared memory (4 KB)
+constexpr int kRsMaxUnitChunks = kRsMaxUnitTiles * kRsTileChunks;
+constexpr int64_t kRsMaxVocab = int64_t{kRsMaxSplits} * kRsMaxUnitTiles * kRsTileEntries;
+// Units per resident CTA the plan aims for: small units keep the last wave short.
+constexpr int kRsUnitsPerSlot = 2;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Dtype of the optional temperature tensor, read as float32 in the kernel.
+enum RsTemperatureDtype : int32_t {
+  kRsTemperatureNone = 0,  // every request has temperature 1
+  kRsTemperatureFloat32 = 1,
+  kRsTemperatureFloat64 = 2,
+  kRsTemperatureBFloat16 = 3,
+  kRsTemperatureFloat16 = 4,
+};
+
+// Template tag for draft_probs=None (deterministic drafts).
+struct NoDraftProbs {};
+
+// One phase-1 unit's statistics of its split of a row: two 16-byte accesses.
+struct __align__(16) RsSplitRecord {
+  float row_max;     // max of the sanitized logits of the split (-inf: no valid logit)
+  float exp_sum;     // sum of exp2((l - row_max) * k) (random requests only)
+  int32_t argmax;    // lowest index of row_max, greedy requests only (else -1)
+  float race_score;  // best chunk race score relative to row_max (-inf: no mass / greedy)
+  int32_t draft;     // split 0 of a row t < n: the draft x_t if it is in [0, V), else -1
+  float draft_logit;  // split 0: sanitized l_t(x_t) (-inf when x_t or the row is invalid)
+  float draft_prob;   // split 0: p_t(x_t) (1 for deterministic drafts, 0 when x_t is invalid)
+  int32_t candidate;  // the race winner's in-chunk sample (-1: none)
+};
+
+// One phase-2 unit's race winner on the residual (absolute scale).
+struct __align__(8) RsResidualRecord {
+  float race_score;
+  int32_t candidate;
+};
+
+struct RejectionSampleParams {
+  const void* target_logits;  // [num_rows, vocab] T, unit stride along the vocabulary
+  int64_t logits_row_stride;  // in elements
+  bool logits_vectorized;     // base and row stride 16-byte aligned: segments are cp.async
+  const void* draft_token_ids;  // [num_drafts] int32 / int64
+  bool draft_ids_int64;
+  const void* cu_num_draft_tokens;  // [num_requests + 1] int32 / int64
+  bool cu_int64;
+  const void* draft_probs;  // [num_drafts, vocab] P, or nullptr
+  int64_t draft_probs_row_stride;
+  bool probs_vectorized;
+  const void* temperature;  // [num_requests], dtype temperature_dtype
+  int32_t temperature_dtype;
+  const void* seeds;  // [num_requests] int32 / int64
+  bool seeds_int64;
+  const void* offsets;  // [num_requests] int32 / int64, or nullptr (offset 0)
+  bool offsets_int64;
+  int32_t* output_token_ids;  // [num_requests, max_spec_len + 1]
+  int32_t* num_accepted;      // [num_requests]
+  // Workspace. counters [2 * num_requests + 2], zero between calls: per-request phase-1 and
+  // phase-2 completion counts, then the ticket and the finished count.
+  int32_t* counters;
+  RsSplitRecord* split_records;        // [units_phase1]
+  RsResidualRecord* residual_records;  // [num_requests * residual_splits]
+  int64_t num_rows;
+  int64_t num_drafts;
+  int32_t vocab_size;
+  int32_t num_requests;
+  int32_t max_spec_len;
+  int32_t num_chunks;
+  int32_t num_tiles;
+  int32_t num_splits;
+  int32_t tiles_per_split;
+  int32_t residual_splits;
+  int32_t residual_tiles_per_split;
+  int32_t units_phase1;
+  int32_t units_total;
+};
+
+// ------------------------------------------------------------------------------ host plan
+
+struct RejectionSamplePlan {
+  int32_t num_chunks;
+  int32_t num_tiles;
+  int32_t num_splits;
+  int32_t tiles_per_split;
+  int32_t residual_splits;
+  int32_t residual_tiles_per_split;
+  int64_t units_phase1;
+  int64_t units_total;
+  int64_t num_counters;
+  int64_t num_split_records;
+  int64_t num_residual_records;
+};
+
+inline int64_t rs_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Splits a row of num_tiles tiles into about `wanted` equal ranges of at most
+// kRsMaxUnitTiles tiles, and at most kRsMaxSplits of them.
+inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int32_t& per_split) {
+  const int64_t cap = num_tiles < kRsMaxSplits ? num_tiles : kRsMaxSplits;
+  const int64_t s = wanted < 1 ? 1 : (wanted > cap ? cap : wanted);
+  int64_t per = rs_ceil_div(num_tiles, s);
+  if (per > kRsMaxUnitTiles) per = kRsMaxUnitTiles;  // vocab <= kRsMaxVocab keeps splits <= 64
+  per_split = static_cast<int32_t>(per);
+  splits = static_cast<int32_t>(rs_ceil_div(num_tiles, per));
+}
+
+// concurrent_ctas: CTAs the GPU runs at once (SMs x resident CTAs per SM). Rows are split so
+// that there are about kRsUnitsPerSlot units per resident CTA (at least one row per unit).
+inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
+                                                 int64_t max_spec_len, bool has_draft_probs,
+                                                 int64_t concurrent_ctas) {
+  RejectionSamplePlan plan{};
+  const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
+  const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
+  const int64_t target_units = kRsUnitsPerSlot * concurrent_ctas;
+  plan.num_chunks = static_cast<int32_t>(num_chunks);
+  plan.num_tiles = static_cast<int32_t>(num_tiles);
+  rs_split_row(num_tiles, rs_ceil_div(target_units, num_rows < 1 ? 1 : num_rows), plan.num_splits,
+               plan.tiles_per_split);
+  plan.units_phase1 = num_requests * (max_spec_len + 1) * plan.num_splits;
+  plan.units_total = plan.units_phase1;
+  if (has_draft_probs) {
+    // The rejected row of each request is read again with its draft row: split it too.
+    rs_split_row(num_tiles, rs_ceil_div(target_units, num_requests < 1 ? 1 : num_requests), plan.residual_splits,
+                 plan.residual_tiles_per_split);
+    plan.units_total += num_requests * plan.residual_splits;
+  }
+  plan.num_counters = 2 * num_requests + 2;
+  plan.num_split_records = plan.units_phase1;
+  plan.num_residual_records = has_draft_probs ? num_requests * plan.residual_splits : 0;
+  return plan;
+}
+
+namespace rs_detail {
+
+// ------------------------------------------------------------------------- element access
+
+template <typename T>
+struct ElemBits;
+template <>
+struct ElemBits<float> {
+  static constexpr uint32_t kNegInf = 0xFF800000u;
+};
+template <>
+struct ElemBits<__nv_bfloat16> {
+  static constexpr uint32_t kNegInf = 0xFF80u;
+};
+template <>
+struct ElemBits<__half> {
+  static constexpr uint32_t kNegInf = 0xFC00u;
+};
+
+// kN consecutive elements of type T as raw bits: 8, 16 or 32 bytes (one or two cp.async).
+template <typename T, int kN>
+struct alignas(kN * sizeof(T) < 16 ? kN * sizeof(T) : 16) Segment {
+  static constexpr int kWords = kN * static_cast<int>(sizeof(T)) / 4;
+  static_assert(kWords == 2 || kWords == 4 || kWords == 8, "segments are 8, 16 or 32 bytes");
+  uint32_t w[kWords];
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t load_bits(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem_dst, const void* gmem_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+  } else {
+    static_assert(kBytes == 8, "cp.async of 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Entries [idx0, idx0 + kN) of a row, element by element: entries at or past `limit` read
+// as `fill` (limit 0 masks the whole row, whose pointer is then never dereferenced).
+template <typename T, int kN>
+__device__ __forceinline__ Segment<T, kN> load_segment_scalar(const T* row, int idx0, int limit, uint32_t fill) {
+  Segment<T, kN> seg;
+#pragma unroll
+  for (int i = 0; i < Segment<T, kN>::kWords; ++i) seg.w[i] = 0u;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    const uint32_t bits = idx0 + j < limit ? load_bits(row + idx0 + j) : fill;
+    if constexpr (sizeof(T) == 4) {
+      seg.w[j] = bits;
+    } else {
+      seg.w[j / 2] |= (bits & 0xFFFFu) << (16 * (j % 2));
+    }
+  }
+  return seg;
+}
+
+// The same entries with 16-byte loads where the row allows it (`vectorized`: 16-byte
+// aligned rows), for the one chunk a unit samples in.
+template <typename T, int kN>
+__device__ __forceinline__ Segment<T, kN> load_segment(const T* row, int idx0, int limit, bool vectorized,
+                                                       uint32_t fill) {
+  if (vectorized && idx0 + kN <= limit) {
+    Segment<T, kN> seg;
+    const uint4* src = reinterpret_cast<const uint4*>(row + idx0);
+#pragma unroll
+    for (int i = 0; i < Segment<T, kN>::kWords / 4; ++i) {
+      const uint4 v = __ldcg(src + i);
+      seg.w[4 * i] = v.x;
+      seg.w[4 * i + 1] = v.y;
+      seg.w[4 * i + 2] = v.z;
+      seg.w[4 * i + 3] = v.w;
+    }
+    return seg;
+  }
+  return load_segment_scalar<T, kN>(row, idx0, limit, fill);
+}
+
+// Starts copying entries [idx0, idx0 + kN) of a row into this thread's slot `dst`, as one
+// or two cp.async when the row is 16-byte aligned and the segment is inside it, else
+// (row tail, unaligned rows) element by element. Only the thread that issued a slot reads
+// it back (after cp_async_wait), so no barrier is needed.
+template <typename T, int kN>
+__device__ __forceinline__ void issue_segment(Segment<T, kN>* dst, const T* row, int idx0, int limit,
+                                              bool vectorized, uint32_t fill) {
+  if (vectorized && idx0 + kN <= limit) {
+    if constexpr (sizeof(Segment<T, kN>) == 32) {
+      cp_async<16>(dst, row + idx0);
+      cp_async<16>(reinterpret_cast<unsigned char*>(dst) + 16, row + idx0 + kN / 2);
+    } else {
+      cp_async<sizeof(Segment<T, kN>)>(dst, row + idx0);
+    }
+  } else {
+    *dst = load_segment_scalar<T, kN>(row, idx0, limit, fill);
+  }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ float segment_value(const Segment<T, kN>& seg, int j) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __uint_as_float(seg.w[j]);
+  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const uint32_t word = seg.w[j / 2];
+    return __uint_as_float((j % 2) ? (word & 0xFFFF0000u) : (word << 16));
+  } else {
+    uint32_t word = seg.w[j / 2];
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&word));
+    return (j % 2) ? pair.y : pair.x;
+  }
+}
+
+// Max of a segment's raw values, NaNs dropped (NaN only if all are NaN): 16-bit pairs at a
+// time (__hmax2 drops NaNs like fmaxf); the max of 16-bit values is exact.
+template <typename T, int kN>
+__device__ __forceinline__ float segment_max(const Segment<T, kN>& seg) {
+  if constexpr (std::is_same<T, float>::value) {
+    float m[2] = {__uint_as_float(seg.w[0]), __uint_as_float(seg.w[1])};
+#pragma unroll
+    for (int j = 2; j < kN; ++j) m[j % 2] = fmaxf(m[j % 2], __uint_as_float(seg.w[j]));
+    return fmaxf(m[0], m[1]);
+  } else {
+    using T2 = std::conditional_t<std::is_same<T, __nv_bfloat16>::value, __nv_bfloat162, __half2>;
+    uint32_t word = seg.w[0];
+    T2 m = *reinterpret_cast<const T2*>(&word);
+#pragma unroll
+    for (int i = 1; i < Segment<T, kN>::kWords; ++i) {
+      word = seg.w[i];
+      m = __hmax2(m, *reinterpret_cast<const T2*>(&word));
+    }
+    float2 pair;
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      pair = __bfloat1622float2(m);
+    } else {
+      pair = __half22float2(m);
+    }
+    return fmaxf(pair.x, pair.y);
+  }
+}
+
+// One element of a staged segment in shared memory.
+template <typename T>
+__device__ __forceinline__ float shared_value(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return *p;
+  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(p)) << 16);
+  } else {
+    return __half2float(*p);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float load_value(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __ldg(p);
+  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __uint_as_float(static_cast<uint32_t>(load_bits(p)) << 16);
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(load_bits(p))));
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool is_int64, int64_t i) {
+  return is_int64 ? static_cast<int64_t>(__ldg(static_cast<const long long*>(p) + i))
+                  : static_cast<int64_t>(__ldg(static_cast<const int*>(p) + i));
+}
+
+// NaN tests on the bits: immune to any fast-math assumption about NaNs.
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+
+// NaN -> -inf (never sampled), +inf -> FLT_MAX.
+__device__ __forceinline__ float sanitize(float x) { return is_nan(x) ? -INFINITY : fminf(x, FLT_MAX); }
+
+// The residual weight r = max(0, q - p) with q = exp2((l - row_max) k) / row_sum where q > 0,
+// else 0: a NaN logit reads as -inf (q = 0), a NaN p gives 0 (fmaxf drops the NaN).
+__device__ __forceinline__ float residual_weight(float logit, float prob, float row_max, float k, float inv_sum) {
+  const float q = exp2f((sanitize(logit) - row_max) * k) * inv_sum;
+  return q > 0.0f ? fmaxf(q - prob, 0.0f) : 0.0f;
+}
+
+// ---------------------------------------------------------------------------- warp helpers
+
+// Butterfly reductions: every lane ends with the same value (IEEE + and max commute).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int warp_min(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_inclusive_scan(float v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float up = __shfl_up_sync(kFullMask, v, o);
+    if (lane >= o) v += up;
+  }
+  return v;
+}
+
+// Lane-group reductions (the 8 lanes that hold a chunk, each group separately; every lane
+// gets its group's value); `mask` names whole groups.
+__device__ __forceinline__ float group_max(float v, unsigned mask = kFullMask) {
+#pragma unroll
+  for (int o = kRsChunkLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(mask, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float group_sum(float v, unsigned mask = kFullMask) {
+#pragma unroll
+  for (int o = kRsChunkLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int group_min(int v, unsigned mask = kFullMask) {
+#pragma unroll
+  for (int o = kRsChunkLanes / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(mask, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float group_inclusive_scan(float v, int gl, unsigned mask) {
+#pragma unroll
+  for (int o = 1; o < kRsChunkLanes; o <<= 1) {
+    const float up = __shfl_up_sync(mask, v, o, kRsChunkLanes);
+    if (gl >= o) v += up;
+  }
+  return v;
+}
+
+// Race winner over lanes: highest score, lowest chunk on ties; every lane gets the result.
+__device__ __forceinline__ void warp_race_winner(float& score, int& chunk, int& candidate) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float other_score = __shfl_xor_sync(kFullMask, score, o);
+    const int other_chunk = __shfl_xor_sync(kFullMask, chunk, o);
+    const int other_candidate = __shfl_xor_sync(kFullMask, candidate, o);
+    if (other_score > score || (other_score == score && other_chunk < chunk)) {
+      score = other_score;
+      chunk = other_chunk;
+      candidate = other_candidate;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- shared state
+
+struct RequestContext {
+  int64_t cu_lo;
+  int n;  // drafts used: clamp(cu[b+1] - cu[b], 0, max_spec_len)
+  bool greedy;
+  float k;  // log2(e) / T (log2(e) for greedy requests)
+  uint64_t seed;
+  uint64_t offset;
+};
+
+struct RsShared {
+  float2 noise[kRsMaxUnitChunks];  // per chunk of the unit: (u_c, log2(-log2(v_c)))
+  // Per lane group (or per warp) partial results of a unit, combined by thread 0.
+  float reduce_max[kRsGroups];
+  float reduce_sum[kRsGroups];
+  float reduce_score[kRsGroups];
+  int reduce_index[kRsGroups];
+  int reduce_chunk[kRsGroups];
+  int unit;
+  int is_last;
+  // Block-wide results, one field per producer so that a result is never overwritten
+  // before every thread read it (a barrier separates each read from the next write).
+  int token;
+  int argmax;
+  // The request's decision (decide_request).
+  int t_star;
+  int x_star;  // draft at t_star when it is a valid id and t_star < n, else -1
+  int argmax_star;
+  int sample_star;
+  float max_star;
+  float sum_star;
+  // Phase 1: the unit's request (for its finalizer) and split 0's accept-test operands, kept
+  // here rather than in registers across the stream.
+  RequestContext rq;
+  float draft_logit;
+  float draft_prob;
+};
+
+__device__ __forceinline__ float load_temperature(const RejectionSampleParams& p, int b) {
+  switch (p.temperature_dtype) {
+    case kRsTemperatureFloat32:
+      return __ldg(static_cast<const float*>(p.temperature) + b);
+    case kRsTemperatureFloat64:
+      return __double2float_rn(__ldg(static_cast<const double*>(p.temperature) + b));
+    case kRsTemperatureBFloat16:
+      return load_value(static_cast<const __nv_bfloat16*>(p.temperature) + b);
+    case kRsTemperatureFloat16:
+      return load_value(static_cast<const __half*>(p.temperature) + b);
+    default:
+      return 1.0f;
+  }
+}
+
+__device__ __forceinline__ RequestContext load_request(const RejectionSampleParams& p, int b) {
+  RequestContext rq;
+  rq.cu_lo = load_index(p.cu_num_draft_tokens, p.cu_int64, b);
+  const int64_t count = load_index(p.cu_num_draft_tokens, p.cu_int64, b + 1) - rq.cu_lo;
+  rq.n = static_cast<int>(count < 0 ? 0 : (count > p.max_spec_len ? p.max_spec_len : count));
+  const float temperature = load_temperature(p, b);
+  rq.greedy = !(temperature > 0.0f) || is_nan(temperature);  // 0, negative and NaN are greedy
+  rq.k = rq.greedy ? kLog2e : __fdiv_rn(kLog2e, temperature);
+  rq.seed = static_cast<uint64_t>(load_index(p.seeds, p.seeds_int64, b));
+  rq.offset = p.offsets != nullptr ? static_cast<uint64_t>(load_index(p.offsets, p.offsets_int64, b)) : 0u;
+  return rq;
+}
+
+// ------------------------------------------------------------------------ tile streaming
+
+// Tile staging buffers: dynamic shared memory of rejection_sample_smem_bytes<T, P>().
+extern __shared__ uint4 rs_stage_smem[];
+
+// Stages a row's tiles through shared memory at byte offset kOffset of rs_stage_smem. Lane
+// group g (threads 8g .. 8g + 7) holds chunk g of a tile; its lane l owns the slots of
+// segments s = 0..3: entries 64 s + 8 l .. + 7 of the chunk (so each 16-byte load of a lane
+// group covers 128 contiguous bytes).
+template <typename T, int kStages, int kOffset>
+struct TileStream {
+  using Seg = Segment<T, kRsLaneEntries>;
+  static constexpr int kBytes = kStages * kRsLaneSegments * kRsThreads * static_cast<int>(sizeof(Seg));
+  const T* row;
+  int limit;
+  bool vectorized;
+  uint32_t fill;
+
+  __device__ __forceinline__ static Seg* slot(int stage, int h, int thread = threadIdx.x) {
+    return reinterpret_cast<Seg*>(reinterpret_cast<unsigned char*>(rs_stage_smem) + kOffset) +
+           (stage * kRsLaneSegments + h) * kRsThreads + thread;
+  }
+
+  // After the stream of tiles [lo, hi): the 8 entries 8 l .. 8 l + 7 of `chunk` for lane l of a
+  // warp, from the staging slots while its tile is still there (the last kStages tiles), else
+  // from global memory (usually L2).
+  __device__ __forceinline__ Seg chunk_segment(int chunk, int lo, int hi) const {
+    const int tile = chunk / kRsTileChunks, lane = threadIdx.x & 31;
+    if (tile >= hi - kStages && tile >= lo) {
+      const int owner = (chunk % kRsTileChunks) * kRsChunkLanes + lane % kRsChunkLanes;
+      return *slot((tile - lo) % kStages, lane / kRsChunkLanes, owner);
+    }
+    return load_segment<T, kRsLaneEntries>(row, chunk * kSampleChunk + lane * kRsLaneEntries, limit, vectorized, fill);
+  }
+
+  __device__ __forceinline__ void issue(int tile, int stage) const {
+    const int base = (tile * kRsTileChunks + static_cast<int>(threadIdx.x) / kRsChunkLanes) * kSampleChunk +
+                     (threadIdx.x % kRsChunkLanes) * kRsLaneEntries;
+#pragma unroll
+    for (int h = 0; h < kRsLaneSegments; ++h) {
+      issue_segment(slot(stage, h), row, base + h * kRsChunkLanes * kRsLaneEntries, limit, vectorized, fill);
+    }
+  }
+
+  __device__ __forceinline__ Seg segment(int stage, int h) const { return *slot(stage, h); }
+};
+
+// Index of entry (segment h, j) of this thread's chunk `chunk`.
+__device__ __forceinline__ int entry_index(int chunk, int h, int j) {
+  return chunk * kSampleChunk + h * kRsChunkLanes * kRsLaneEntries + (threadIdx.x % kRsChunkLanes) * kRsLaneEntries +
+         j;
+}
+
+// Per instance: pipeline depths, shared memory and CTAs per SM.
+//  - deterministic drafts, 16-bit logits: 3 stages of 16 KB tiles (two in flight while one
+//    is processed), 4 CTAs per SM (64 registers); fp32 logits: 2 stages of 32 KB, 3 CTAs;
+//  - draft probabilities: phase 2 stages one tile of each of its two rows at a time (a tile
+//    of logits + one of probabilities, 32-64 KB); phase 1 uses the same staging memory for as
+//    many tiles as fit; 3 CTAs per SM (80 registers).
+template <typename T, typename P>
+struct RsConfig {
+  static constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
+  static constexpr int kTileBytes = kRsTileEntries * static_cast<int>(sizeof(T));
+  static constexpr int kResidualStages = 1;
+  static constexpr int kResidualBytes =
+      kHasDraftProbs ? kResidualStages * kRsTileEntries * static_cast<int>(sizeof(T) + sizeof(P)) : 0;
+  static constexpr int kStages =
+      kHasDraftProbs ? (kResidualBytes / kTileBytes > 2 ? kResidualBytes / kTileBytes : 2) : (sizeof(T) == 2 ? 3 : 2);
+  static constexpr int kSmemBytes = kStages * kTileBytes > kResidualBytes ? kStages * kTileBytes : kResidualBytes;
+  static constexpr int kMinBlocksPerSM = (!kHasDraftProbs && sizeof(T) == 2) ? 4 : 3;
+};
+
+// Runs process(tile, stage) over tiles [lo, hi) with kStages - 1 tiles in flight (kStages = 1:
+// each tile is copied, then processed); issue(tile, stage) starts a tile's copies. A slot is
+// refilled one iteration after it was read, when its values have been consumed.
+template <int kStages, typename Issue>
+__device__ __forceinline__ void issue_first_tiles(int lo, int hi, Issue&& issue) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (lo + s < hi) issue(lo + s, s);
+    cp_async_commit();
+  }
+}
+
+// The loop after issue_first_tiles<kStages>(lo, hi, issue).
+template <int kStages, typename Issue, typename Process>
+__device__ __forceinline__ void pipeline_tiles(int lo, int hi, Issue&& issue, Process&& process) {
+  int stage = 0;
+  for (int tile = lo; tile < hi; ++tile) {
+    if constexpr (kStages == 1) {
+      issue(tile, 0);
+      cp_async_commit();
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<kStages - 2>();
+      if (tile + kStages - 1 < hi) issue(tile + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+      cp_async_commit();
+    }
+    process(tile, stage);
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+}
+
+// Race noise of chunks [chunk_lo, chunk_lo + count) of row `node` into sm.noise (count <=
+// kRsMaxUnitChunks); read after a barrier.
+__device__ __forceinline__ void fill_race_noise(RsShared& sm, const RequestContext& rq, int node, int chunk_lo,
+                                                int count) {
+  for (int j = threadIdx.x; j < count; j += kRsThreads) {
+    const PhiloxBlock w = philox_words(rq.seed, rq.offset, kStreamSample, static_cast<uint32_t>(node),
+                                       static_cast<uint32_t>(chunk_lo + j));
+    sm.noise[j] = make_float2(uniform_from_word(w.x), log2f(-log2f(open_uniform_from_word(w.y))));
+  }
+}
+
+// ------------------------------------------------------------------------- chunk sampling
+
+// Inverse CDF inside one chunk, held by a warp (lane l: entries lane_base = 256 c + 8 l .. + 7
+// with weights w): the smallest entry with w > 0 whose prefix sum reaches u * W, W the largest
+// prefix sum at an entry with w > 0 (so a crossing exists whenever the chunk has mass); -1 if
+// it has none. Warp-uniform.
+__device__ __forceinline__ int warp_inverse_cdf(const float (&w)[kRsLaneEntries], float u, int lane_base) {
+  const int lane = threadIdx.x & 31;
+  float lane_sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kRsLaneEntries; ++j) lane_sum += w[j];
+  const float incl = warp_inclusive_scan(lane_sum, lane);
+  const float before = __shfl_up_sync(kFullMask, incl, 1);
+  const float excl = lane == 0 ? 0.0f : before;
+  float prefix = excl, pmax = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRsLaneEntries; ++j) {
+    prefix += w[j];
+    if (w[j] > 0.0f) pmax = fmaxf(pmax, prefix);
+  }
+  const float threshold = u * warp_max(pmax);
+  int first = INT_MAX;
+  prefix = excl;
+#pragma unroll
+  for (int j = 0; j < kRsLaneEntries; ++j) {
+    prefix += w[j];
+    if (first == INT_MAX && w[j] > 0.0f && prefix >= threshold) first = lane_base + j;
+  }
+  first = warp_min(first);
+  return first == INT_MAX ? -1 : first;
+}
+
+// The sample of q inside chunk `chunk` (one warp; lane l holds its entries 8 l .. 8 l + 7 in
+// seg): weights exp2((l - m) k) relative to the chunk max m, `excluded` left out.
+template <typename T>
+__device__ __forceinline__ int warp_sample_chunk(const Segment<T, kRsLaneEntries>& seg, int chunk, float k,
+                                                 int excluded, float u) {
+  const int lane_base = chunk * kSampleChunk + (threadIdx.x & 31) * kRsLaneEntries;
+  float w[kRsLaneEntries];
+  float lane_max = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRsLaneEntries; ++j) {
+    w[j] = sanitize(segment_value(seg, j));
+    lane_max = fmaxf(lane_max, w[j]);
+  }
+  const float m = warp_max(lane_max);
+#pragma unroll
+  for (int j = 0; j < kRsLaneEntries; ++j) {
+    w[j] = (w[j] > -INFINITY && lane_base + j != excluded) ? exp2f((w[j] - m) * k) : 0.0f;
+  }
+  return warp_inverse_cdf(w, u, lane_base);
+}
+
+// The sample of the residual max(0, q - p) inside chunk `chunk` (one warp, as above).
+template <typename T, typename P>
+__device__ __forceinline__ int warp_sample_residual_chunk(const Segment<T, kRsLaneEntries>& lseg,
+                                                          const Segment<P, kRsLaneEntries>& pseg, int chunk,
+                                                          float row_max, float k, float inv_sum, float u) {
+  const int lane_base = chunk * kSampleChunk + (threadIdx.x & 31) * kRsLaneEntries;
+  float w[kRsLaneEntries];
+#pragma unroll
+  for (int j = 0; j < kRsLaneEntries; ++j) {
+    w[j] = residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum);
+  }
+  return warp_inverse_cdf(w, u, lane_base);
+}
+
+// Combines the lane groups' race leads in sm.reduce_* (thread 0): the highest score after
+// shifting each by (its running max - m) k (kScaled), lowest chunk on ties; chunk -1: none.
+template <bool kScaled>
+__device__ __forceinline__ void combine_chunk_races(const RsShared& sm, float m, float k, float& score, int& chunk) {
+  score = -INFINITY;
+  chunk = INT_MAX;
+#pragma unroll
+  for (int c = 0; c < kRsGroups; ++c) {
+    if (sm.reduce_score[c] > -INFINITY) {
+      const float s = kScaled ? sm.reduce_score[c] + (sm.reduce_max[c] - m) * k : sm.reduce_score[c];
+      if (s > score || (s == score && sm.reduce_chunk[c] < chunk)) {
+        score = s;
+        chunk = sm.reduce_chunk[c];
+      }
+    }
+  }
+  if (score == -INFINITY) chunk = -1;
+}
+
+// ------------------------------------------------------------------------ record combining
+
+struct RowStats {
+  float row_max;
+  float row_sum;
+  int argmax;  // -1: no valid logit, or a random request
+  int sample;  // the race winner's sample of q (-1: no mass, or a greedy request)
+};
+
+// Combines the num_splits records of one row (one warp, two per lane), as the Triton kernel
+// combines its per-split statistics. Lane 0 also gets split 0's draft fields in `first`.
+__device__ __forceinline__ RowStats combine_row_records(const RsSplitRecord* records, int num_splits, float k,
+                                                        int lane, float4& first) {
+  float m[2], s[2], g[2];
+  int am[2], cand[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int split = lane + 32 * r;
+    if (split < num_splits) {
+      const float4* rec = reinterpret_cast<const float4*>(records + split);
+      const float4 a = __ldcg(rec);
+      const float4 c = __ldcg(rec + 1);
+      if (r == 0) first = c;
+      m[r] = a.x;
+      s[r] = a.y;
+      am[r] = __float_as_int(a.z);
+      g[r] = a.w;
+      cand[r] = __float_as_int(c.w);
+    } else {
+      m[r] = -INFINITY;
+      s[r] = 0.0f;
+      am[r] = -1;
+      g[r] = -INFINITY;
+      cand[r] = -1;
+    }
+  }
+  const float row_max = warp_max(fmaxf(m[0], m[1]));
+  float sum = 0.0f, best = -INFINITY;
+  int argmax = INT_MAX, best_split = INT_MAX, best_cand = -1;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (m[r] > -INFINITY) {
+      const float shift = (m[r] - row_max) * k;
+      sum += s[r] * exp2f(shift);
+      if (m[r] == row_max && am[r] >= 0) argmax = min(argmax, am[r]);
+      if (g[r] > -INFINITY && g[r] + shift > best) {  // splits increase with r: lowest wins ties
+        best = g[r] + shift;
+        best_split = lane + 32 * r;
+        best_cand = cand[r];
+      }
+    }
+  }
+  sum = warp_sum(sum);
+  argmax = warp_min(argmax);
+  warp_race_winner(best, best_split, best_cand);
+  return RowStats{row_max, sum, (row_max > -INFINITY && argmax != INT_MAX) ? argmax : -1,
+                  best > -INFINITY ? best_cand : -1};
+}
+
+// t* and the statistics of row t* into shared memory (sm.t_star .. sm.sample_star) for the
+// request in sm.rq (written before a barrier). Every warp takes rows t = warp, warp + 8, ...,
+// combines their records and runs their accept tests with the draft fields of split 0; it
+// stops at its first rejection, and t* is the least such row over warps.
+__device__ void decide_request(const RejectionSampleParams& p, int b, RsShared& sm) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) sm.t_star = INT_MAX;
+  __syncthreads();
+  const RequestContext rq = sm.rq;
+  int stop_row = INT_MAX, stop_x = -1, stop_argmax = -1, stop_sample = -1;
+  float stop_max = -INFINITY, stop_sum = 0.0f;
+  for (int t = warp; t <= rq.n; t += kRsWarps) {
+    const RsSplitRecord* records =
+        p.split_records + (static_cast<int64_t>(b) * (p.max_spec_len + 1) + t) * p.num_splits;
+    float4 first = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const RowStats rs = combine_row_records(records, p.num_splits, rq.k, lane, first);
+    const bool is_draft = t < rq.n;
+    const int x = __float_as_int(first.x);  // lane 0: split 0's draft (-1 unless a valid id)
+    bool stop = true;
+    if (lane == 0 && is_draft) {
+      bool accept;
+      if (rq.greedy) {
+        accept = x >= 0 && x == rs.argmax;
+      } else {
+        const float lx = first.y, px = first.z;
+        const float u = uniform_from_word(
+            philox_words(rq.seed, rq.offset, kStreamAccept, static_cast<uint32_t>(t + 1), 0u).x);
+        const float q = (x >= 0 && lx > -INFINITY && rs.row_max > -INFINITY)
+                            ? __fdiv_rn(exp2f((lx - rs.row_max) * rq.k), rs.row_sum)
+                            : 0.0f;
+        accept = x >= 0 && u * px < q;
+      }
+      stop = !accept;
+    }
+    if (__shfl_sync(kFullMask, stop ? 1 : 0, 0) != 0) {
+      stop_row = t;
+      stop_x = is_draft ? x : -1;
+      stop_max = rs.row_max;
+      stop_sum = rs.row_sum;
+      stop_argmax = rs.argmax;
+      stop_sample = rs.sample;
+      break;
+    }
+  }
+  if (lane == 0 && stop_row != INT_MAX) atomicMin(&sm.t_star, stop_row);
+  __syncthreads();
+  if (lane == 0 && stop_row == sm.t_star) {
+    sm.x_star = stop_x;
+    sm.max_star = stop_max;
+    sm.sum_star = stop_sum;
+    sm.argmax_star = stop_argmax;
+    sm.sample_star = stop_sample;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void write_outputs(const RejectionSampleParams& p, const RequestContext& rq, int b,
+                                              int t_star, int token) {
+  const int width = p.max_spec_len + 1;
+  int32_t* out = p.output_token_ids + static_cast<int64_t>(b) * width;
+  for (int pos = threadIdx.x; pos < width; pos += kRsThreads) {
+    // Accepted drafts were checked in range by their accept tests.
+    out[pos] = pos < t_star ? static_cast<int32_t>(load_index(p.draft_token_ids, p.draft_ids_int64, rq.cu_lo + pos))
+                            : (pos == t_star ? token : -1);
+  }
+  if (threadIdx.x == 0) p.num_accepted[b] = t_star;
+}
+
+// Lowest index of the row maximum, -1 without a valid logit (block-wide). A slow path: the
+// stream keeps argmaxes for greedy requests only, and random ones need one only when q
+// minus the rejected draft has no mass (q a point mass).
+template <typename T>
+__device__ int row_argmax(const T* row, int limit, RsShared& sm) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  float best = -INFINITY;
+  int index = INT_MAX;
+  for (int i = threadIdx.x; i < limit; i += kRsThreads) {
+    const float v = sanitize(load_value(row + i));
+    if (v > best) {
+      best = v;
+      index = i;
+    }
+  }
+  const float m = warp_max(best);
+  index = warp_min(best == m ? index : INT_MAX);
+  if (lane == 0) {
+    sm.reduce_max[warp] = m;
+    sm.reduce_index[warp] = index;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float mm = -INFINITY;
+    int a = INT_MAX;
+#pragma unroll
+    for (int w = 0; w < kRsWarps; ++w) {
+      if (sm.reduce_max[w] > mm) {
+        mm = sm.reduce_max[w];
+        a = sm.reduce_index[w];
+      } else if (sm.reduce_max[w] == mm) {
+        a = min(a, sm.reduce_index[w]);
+      }
+    }
+    sm.argmax = mm > -INFINITY ? a : -1;
+  }
+  __syncthreads();
+  return sm.argmax;
+}
+
+// -------------------------------------------------------------------------------- phase 1
+
+template <typename T, typename P>
+__device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int unit) {
+  constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
+  constexpr int kStages = RsConfig<T, P>::kStages;
+  constexpr int kE = kRsLaneEntries;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int width = p.max_spec_len + 1;
+  const int split = unit % p.num_splits;
+  const int row_unit = unit / p.num_splits;
+  const int b = row_unit / width;
+  const int t = row_unit % width;
+  const RequestContext rq = load_request(p, b);
+  if (t > rq.n) return;
+
+  const int64_t row = rq.cu_lo + b + t;
+  const bool row_ok = row >= 0 && row < p.num_rows;
+  const int limit = row_ok ? p.vocab_size : 0;
+  const T* row_ptr = static_cast<const T*>(p.target_logits) + (row_ok ? row : 0) * p.logits_row_stride;
+  const int tile_lo = split * p.tiles_per_split;
+  const int tile_hi = min(tile_lo + p.tiles_per_split, p.num_tiles);
+  const float k = rq.k;
+  const TileStream<T, kStages, 0> stream{row_ptr, limit, p.logits_vectorized, ElemBits<T>::kNegInf};
+  const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
+  issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
+
+  // While the first tiles arrive: the draft of this row. Split 0 records it with l(x) and
+  // p(x) for the accept test (thread 0 loads them; they hit lines the stream reads anyway),
+  // and deterministic drafts leave it out of the row's sample.
+  int draft = -1;
+  if (t < rq.n && (split == 0 || (!kHasDraftProbs && !rq.greedy))) {
+    const int64_t d = rq.cu_lo + t;
+    if (d >= 0 && d < p.num_drafts) {
+      const int64_t x = load_index(p.draft_token_ids, p.draft_ids_int64, d);
+      if (x >= 0 && x < p.vocab_size) draft = static_cast<int>(x);
+    }
+  }
+  // Thread 0 stores them to shared memory only after the next barrier (random rows) or before
+  // its stream (greedy rows), so that no barrier waits for these loads.
+  float draft_logit = -INFINITY, draft_prob = 1.0f;
+  if (threadIdx.x == 0) {
+    sm.rq = rq;
+    if (split == 0 && t < rq.n) {
+      if (draft >= 0 && row_ok) draft_logit = sanitize(load_value(row_ptr + draft));
+      if constexpr (kHasDraftProbs) {
+        draft_prob = draft >= 0 ? load_value(static_cast<const P*>(p.draft_probs) +
+                                             (rq.cu_lo + t) * p.draft_probs_row_stride + draft)
+                                : 0.0f;
+      }
+    }
+  }
+  const auto store_draft_operands = [&] {
+    if (threadIdx.x == 0) {
+      sm.draft_logit = draft_logit;
+      sm.draft_prob = draft_prob;
+    }
+  };
+
+  const int group = threadIdx.x / kRsChunkLanes;  // this thread's chunk of a tile
+  const int gl = threadIdx.x % kRsChunkLanes;
+  using Seg = Segment<T, kE>;
+  if (rq.greedy) {
+    store_draft_operands();
+    // Per-lane running max and its first index; a lane's entries come in increasing order.
+    float run_max = -INFINITY;
+    int run_arg = INT_MAX;
+    pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
+      float lane_max = -INFINITY;
+#pragma unroll
+      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(stream.segment(stage, h)));
+      const float m = fminf(lane_max, FLT_MAX);
+      if (m > run_max) {  // rare after the first tiles: find its first entry
+        int first = INT_MAX;
+#pragma unroll 1
+        for (int h = kRsLaneSegments - 1; h >= 0; --h) {
+          const Seg seg = stream.segment(stage, h);
+#pragma unroll
+          for (int j = kE - 1; j >= 0; --j) {
+            if (sanitize(segment_value(seg, j)) == m) first = entry_index(tile * kRsTileChunks + group, h, j);
+          }
+        }
+        run_max = m;
+        run_arg = first;
+      }
+    });
+    const float wm = warp_max(run_max);
+    const int arg = warp_min(run_max == wm ? run_arg : INT_MAX);
+    if (lane == 0) {
+      sm.reduce_max[warp] = wm;
+      sm.reduce_index[warp] = arg;
+    }
+  } else {
+    // Per lane group running max, sum and race lead over its chunks (uniform over the group).
+    const int excluded = kHasDraftProbs ? -1 : draft;
+    const int excluded_chunk = excluded >= 0 ? excluded / kSampleChunk : -1;
+    const int excluded_tile = excluded >= 0 ? excluded_chunk / kRsTileChunks : -1;
+    const int chunk_lo = tile_lo * kRsTileChunks;
+    fill_race_noise(sm, rq, t, chunk_lo, min(tile_hi * kRsTileChunks, p.num_chunks) - chunk_lo);
+    __syncthreads();
+    store_draft_operands();
+    float run_max = -INFINITY, run_sum = 0.0f, race = -INFINITY;
+    int race_chunk = INT_MAX;
+    pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
+      const int chunk = tile * kRsTileChunks + group;
+      Seg seg[kRsLaneSegments];
+      float lane_max = -INFINITY;
+#pragma unroll
+      for (int h = 0; h < kRsLaneSegments; ++h) {
+        seg[h] = stream.segment(stage, h);
+        lane_max = fmaxf(lane_max, segment_max(seg[h]));
+      }
+      const float m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
+      // exp2((l - m) k) as one FMA: the rounding of m k scales the whole chunk alike. A chunk
+      // without a valid logit gets weights 0 from m = 0 (-inf entries; NaNs are fixed below).
+      const float mk = (m > -INFINITY ? m : 0.0f) * k;
+      float mass0 = 0.0f, mass1 = 0.0f;
+#pragma unroll
+      for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+        for (int j = 0; j < kE; j += 2) {
+          mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
+          mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
+        }
+      }
+      float mass = mass0 + mass1;
+      // This lane's weights of segment h as the sample uses them, recomputed from the tile:
+      // NaN logits (weight NaN) -> 0, +inf logits (weight inf) -> 1, the excluded draft -> 0.
+      const auto segment_weights = [=](int h, float(&w)[kE]) {
+        const Seg sg = *TileStream<T, kStages, 0>::slot(stage, h);
+#pragma unroll
+        for (int j = 0; j < kE; ++j) {
+          const float x = exp2f(fmaf(segment_value(sg, j), k, -mk));
+          w[j] = (is_nan(x) || entry_index(chunk, h, j) == excluded) ? 0.0f : fminf(x, 1.0f);
+        }
+      };
+      // Each weight is about <= 1: a larger sum means a NaN or +inf logit in this lane. Rare,
+      // like the chunk holding a deterministic draft (its weight leaves the sample, not the
+      // softmax sum): recompute the lane's mass from the sanitized weights.
+      float excluded_w = 0.0f;
+      if (!(__float_as_uint(mass) <= __float_as_uint(2.0f * kRsLaneSegments * kE)) || chunk == excluded_chunk) {
+        mass = 0.0f;
+#pragma unroll 1
+        for (int h = 0; h < kRsLaneSegments; ++h) {
+          float w[kE];
+          segment_weights(h, w);
+#pragma unroll
+          for (int j = 0; j < kE; ++j) mass += w[j];
+        }
+        const int jx = excluded - entry_index(chunk, 0, 0);
+        if (chunk == excluded_chunk && jx >= 0 && jx % (kRsChunkLanes * kE) < kE) {
+          // One element at a run-time position: a scalar shared-memory load.
+          const T* e = reinterpret_cast<const T*>(TileStream<T, kStages, 0>::slot(stage, jx / (kRsChunkLanes * kE)));
+          const float x = exp2f(fmaf(shared_value(e + jx % kE), k, -mk));
+          excluded_w = is_nan(x) ? 0.0f : fminf(x, 1.0f);
+        }
+      }
+      mass = group_sum(mass);
+      const float full = tile == excluded_tile ? mass + group_sum(excluded_w) : mass;
+      // The race relative to the running max (docs/ALGORITHM.md §3: shift by (m_c - M) k).
+      const float new_max = fmaxf(run_max, m);
+      const float old_score = run_max > -INFINITY ? race + (run_max - new_max) * k : -INFINITY;
+      const float2 noise = sm.noise[chunk - chunk_lo];
+      const float new_score = mass > 0.0f ? (log2f(mass) - noise.y) + (m - new_max) * k : -INFINITY;
+      // The group's lead (chunks increase: the first one wins ties); the unit samples inside
+      // its winning chunk once, at the end.
+      const bool take = new_score > old_score;
+      race = take ? new_score : old_score;
+      race_chunk = take ? chunk : race_chunk;
+      if (m > run_max) {
+        run_sum = run_sum * exp2f((run_max - m) * k) + full;  // 0 while run_max = -inf
+      } else if (m > -INFINITY) {
+        run_sum += full * exp2f((m - run_max) * k);
+      }
+      run_max = new_max;
+    });
+    if (gl == 0) {
+      sm.reduce_max[group] = run_max;
+      sm.reduce_sum[group] = run_sum;
+      sm.reduce_score[group] = race;
+      sm.reduce_chunk[group] = race_chunk;
+    }
+  }
+
+  __syncthreads();
+  // Combine the parts (warps for greedy rows, lane groups for random ones); a random row's
+  // winning chunk is sampled in by warp 0, reading it again.
+  float m = -INFINITY, s = 0.0f, score = -INFINITY;
+  int a = INT_MAX, chunk = -1;
+  if (threadIdx.x == 0) {
+    const int parts = rq.greedy ? kRsWarps : kRsGroups;
+    for (int c = 0; c < parts; ++c) m = fmaxf(m, sm.reduce_max[c]);
+    if (rq.greedy) {
+#pragma unroll
+      for (int w = 0; w < kRsWarps; ++w) {
+        if (sm.reduce_max[w] > -INFINITY && sm.reduce_max[w] == m) a = min(a, sm.reduce_index[w]);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kRsGroups; ++c) {
+        if (sm.reduce_max[c] > -INFINITY) s += sm.reduce_sum[c] * exp2f((sm.reduce_max[c] - m) * k);
+      }
+      combine_chunk_races<true>(sm, m, k, score, chunk);
+    }
+  }
+  int candidate = -1;
+  if (!rq.greedy && warp == 0) {
+    chunk = __shfl_sync(kFullMask, chunk, 0);
+    if (chunk >= 0) {
+      const int excluded = kHasDraftProbs ? -1 : draft;
+      candidate = warp_sample_chunk(stream.chunk_segment(chunk, tile_lo, tile_hi), chunk, k, excluded,
+                                    sm.noise[chunk - tile_lo * kRsTileChunks].x);
+    }
+  }
+  if (threadIdx.x == 0) {
+    float4* rec = reinterpret_cast<float4*>(p.split_records + static_cast<int64_t>(unit));
+    __stcg(rec, make_float4(m, s, __int_as_float((rq.greedy && m > -INFINITY) ? a : -1), score));
+    __stcg(rec + 1, make_float4(__int_as_float(draft), sm.draft_logit, sm.draft_prob, __int_as_float(candidate)));
+    // Release the record, then count it; the last unit of the request finalizes it.
+    __threadfence();
+    const int done = atomicAdd(p.counters + b, 1);
+    const int last = done == (rq.n + 1) * p.num_splits - 1;
+    if (last) __threadfence();  // acquire the other units' records
+    sm.is_last = last;
+  }
+  __syncthreads();
+  // With draft probabilities random requests are finalized by their phase-2 units.
+  if (sm.is_last && (!kHasDraftProbs || rq.greedy)) {
+    decide_request(p, b, sm);
+    const RequestContext rq = sm.rq;
+    const int t_star = sm.t_star;
+    int token = rq.greedy ? sm.argmax_star : sm.sample_star;
+    if (!rq.greedy && token < 0) {
+      // Deterministic drafts: q minus the rejected draft is empty only if q is a point mass,
+      // which is then the argmax (-1 for a row without a valid logit).
+      const int64_t row_star = rq.cu_lo + b + t_star;
+      const bool star_ok = row_star >= 0 && row_star < p.num_rows;
+      token = row_argmax(static_cast<const T*>(p.target_logits) + (star_ok ? row_star : 0) * p.logits_row_stride,
+                         star_ok ? p.vocab_size : 0, sm);
+    }
+    write_outputs(p, rq, b, t_star, token);
+    if (threadIdx.x == 0) p.counters[b] = 0;
+  }
+}
+
+// -------------------------------------------------------------------------------- phase 2
+
+template <typename T, typename P>
+__device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int unit) {
+  constexpr int kE = kRsLaneEntries;
+  constexpr int kStages = RsConfig<T, P>::kResidualStages;
+  using LogitStream = TileStream<T, kStages, 0>;
+  using ProbStream = TileStream<P, kStages, LogitStream::kBytes>;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int r = unit - p.units_phase1;
+  const int b = r / p.residual_splits;
+  const int split = r % p.residual_splits;
+  {
+    const RequestContext rq = load_request(p, b);
+    if (rq.greedy) return;  // finalized by its last phase-1 unit
+    if (threadIdx.x == 0) sm.rq = rq;  // for the decision, rather than registers across it
+  }
+
+  // Wait for the request's phase 1 (those units hold lower tickets: they already run).
+  if (threadIdx.x == 0) {
+    const int need = (sm.rq.n + 1) * p.num_splits;
+    const volatile int* done = p.counters + b;
+    unsigned sleep_ns = 32;
+    while (*done < need) {
+      __nanosleep(sleep_ns);
+      if (sleep_ns < 1024) sleep_ns *= 2;
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  decide_request(p, b, sm);
+  const RequestContext rq = sm.rq;
+  const int t_star = sm.t_star;
+  const float max_star = sm.max_star;
+  const int64_t row = rq.cu_lo + b + t_star;
+  const bool row_ok = row >= 0 && row < p.num_rows && max_star > -INFINITY;
+  // An invalid draft id at t* ends the chain with nothing to subtract: q's sample is final.
+  const bool needs_residual = t_star < rq.n && sm.x_star >= 0 && row_ok;
+  if (needs_residual) {
+    RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.residual_splits;
+    const float k = rq.k;
+    const float inv_sum = __frcp_rn(sm.sum_star);
+    const int limit = p.vocab_size;
+    const int tile_lo = split * p.residual_tiles_per_split;
+    const int tile_hi = min(tile_lo + p.residual_tiles_per_split, p.num_tiles);
+    const LogitStream logits{static_cast<const T*>(p.target_logits) + row * p.logits_row_stride, limit,
+                             p.logits_vectorized, ElemBits<T>::kNegInf};
+    const ProbStream probs{static_cast<const P*>(p.draft_probs) + (rq.cu_lo + t_star) * p.draft_probs_row_stride,
+                           limit, p.probs_vectorized, 0u};
+    const auto issue = [&](int tile, int stage) {
+      logits.issue(tile, stage);
+      probs.issue(tile, stage);
+    };
+    issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
+    const int chunk_lo = tile_lo * kRsTileChunks;
+    fill_race_noise(sm, rq, t_star, chunk_lo, min(tile_hi * kRsTileChunks, p.num_chunks) - chunk_lo);
+    __syncthreads();
+    const int group = threadIdx.x / kRsChunkLanes;
+    const int gl = threadIdx.x % kRsChunkLanes;
+    float race = -INFINITY;
+    int race_chunk = INT_MAX;
+    pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
+      const int chunk = tile * kRsTileChunks + group;
+      float mass = 0.0f;
+#pragma unroll
+      for (int h = 0; h < kRsLaneSegments; ++h) {
+        const auto lseg = logits.segment(stage, h);
+        const auto pseg = probs.segment(stage, h);
+#pragma unroll
+        for (int j = 0; j < kE; ++j) {
+          mass += residual_weight(segment_value(lseg, j), segment_value(pseg, j), max_star, k, inv_sum);
+        }
+      }
+      mass = group_sum(mass);
+      const float2 noise = sm.noise[chunk - chunk_lo];
+      const float score = mass > 0.0f ? log2f(mass) - noise.y : -INFINITY;
+      const bool take = score > race;
+      race = take ? score : race;
+      race_chunk = take ? chunk : race_chunk;
+    });
+    if (gl == 0) {
+      sm.reduce_score[group] = race;
+      sm.reduce_chunk[group] = race_chunk;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float score = -INFINITY;
+      int chunk = -1;
+      if (threadIdx.x == 0) combine_chunk_races<false>(sm, 0.0f, k, score, chunk);
+      chunk = __shfl_sync(kFullMask, chunk, 0);
+      int candidate = -1;
+      if (chunk >= 0) {
+        candidate = warp_sample_residual_chunk(logits.chunk_segment(chunk, tile_lo, tile_hi),
+                                               probs.chunk_segment(chunk, tile_lo, tile_hi), chunk, max_star, k,
+                                               inv_sum, sm.noise[chunk - chunk_lo].x);
+      }
+      if (threadIdx.x == 0) {
+        __stcg(reinterpret_cast<float2*>(records + split), make_float2(score, __int_as_float(candidate)));
+      }
+    }
+  }
+
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int done = atomicAdd(p.counters + p.num_requests + b, 1);
+    const int last = done == p.residual_splits - 1;
+    if (last) __threadfence();
+    sm.is_last = last;
+  }
+  __syncthreads();
+  if (sm.is_last) {
+    const RequestContext rq = sm.rq;
+    const RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.residual_splits;
+    if (threadIdx.x < 32) {
+      // q's own sample of row t*: the bonus, an invalid draft's row, or a residual without
+      // mass (q == p up to rounding), with the same noise.
+      int token = sm.sample_star;
+      if (needs_residual) {
+        float best = -INFINITY;
+        int best_split = INT_MAX, best_cand = -1;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int s = lane + 32 * rr;
+          if (s < p.residual_splits) {
+            const float2 rec = __ldcg(reinterpret_cast<const float2*>(records + s));
+            if (rec.x > best) {
+              best = rec.x;
+              best_split = s;
+              best_cand = __float_as_int(rec.y);
+            }
+          }
+        }
+        warp_race_winner(best, best_split, best_cand);
+        if (best > -INFINITY && best_cand >= 0) token = best_cand;
+      }
+      if (lane == 0) sm.token = token;
+    }
+    __syncthreads();
+    write_outputs(p, rq, b, t_star, sm.token);
+    if (threadIdx.x == 0) {
+      p.counters[b] = 0;
+      p.counters[p.num_requests + b] = 0;
+    }
+  }
+}
+
+}  // namespace rs_detail
+
+// ---------------------------------------------------------------------------------- kernel
+
+template <typename T, typename P>
+constexpr int rejection_sample_smem_bytes() {
+  return rs_detail::RsConfig<T, P>::kSmemBytes;
+}
+
+template <typename T, typename P>
+__global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlocksPerSM)
+    rejection_sample_kernel(const RejectionSampleParams p) {
+  constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
+  __shared__ rs_detail::RsShared sm;
+  int unit = static_cast<int>(blockIdx.x);
+  if constexpr (kHasDraftProbs) {
+    // Tickets in start order: phase-2 units only wait for units that already run.
+    if (threadIdx.x == 0) sm.unit = atomicAdd(p.counters + 2 * p.num_requests, 1);
+    __syncthreads();
+    unit = sm.unit;
+  }
+  if (unit < p.units_phase1) {
+    rs_detail::phase1_unit<T, P>(p, sm, unit);
+  } else {
+    if constexpr (kHasDraftProbs) rs_detail::phase2_unit<T, P>(p, sm, unit);
+  }
+  if constexpr (kHasDraftProbs) {
+    if (threadIdx.x == 0) {
+      // Every unit has its ticket once the last one finishes: reset ticket and count.
+      const int finished = atomicAdd(p.counters + 2 * p.num_requests + 1, 1);
+      if (finished == p.units_total - 1) {
+        p.counters[2 * p.num_requests] = 0;
+        p.counters[2 * p.num_requests + 1] = 0;
+      }
+    }
+  }
+}
+
+// Prepares an instance for launches on the current device (its shared-memory limit) and
+// returns how many of its CTAs an SM runs at once, for the plan's target grid size.
+template <typename T, typename P>
+cudaError_t rejection_sample_prepare(int* blocks_per_sm) {
+  constexpr int kSmem = rejection_sample_smem_bytes<T, P>();
+  cudaError_t err =
+      cudaFuncSetAttribute(rejection_sample_kernel<T, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, rejection_sample_kernel<T, P>, kRsThreads,
+                                                       kSmem);
+}
+
+template <typename T, typename P>
+void launch_rejection_sample(const RejectionSampleParams& params, cudaStream_t stream) {
+  rejection_sample_kernel<T, P>
+      <<<params.units_total, kRsThreads, rejection_sample_smem_bytes<T, P>(), stream>>>(params);
+}
+
+}  // namespace specdec
