@@ -188,14 +188,7 @@ void launch(const Call& call) {
   p.vocab_size = static_cast<int32_t>(vocab);
   p.num_requests = static_cast<int32_t>(call.num_requests);
   p.max_spec_len = static_cast<int32_t>(call.max_spec_len);
-  p.num_chunks = plan.num_chunks;
-  p.num_tiles = plan.num_tiles;
-  p.num_splits = plan.num_splits;
-  p.tiles_per_split = plan.tiles_per_split;
-  p.residual_splits = plan.residual_splits;
-  p.residual_tiles_per_split = plan.residual_tiles_per_split;
-  p.units_phase1 = static_cast<int32_t>(plan.units_phase1);
-  p.units_total = static_cast<int32_t>(plan.units_total);
+  p.plan = plan;
 
   specdec::launch_rejection_sample<T, P>(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

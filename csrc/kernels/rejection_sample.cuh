@@ -102,6 +102,21 @@ struct __align__(8) RsResidualRecord {
   int32_t candidate;
 };
 
+// The work decomposition, computed on the host (make_rejection_sample_plan).
+struct RejectionSamplePlan {
+  int32_t num_chunks;
+  int32_t num_tiles;
+  int32_t num_splits;
+  int32_t tiles_per_split;
+  int32_t residual_splits;
+  int32_t residual_tiles_per_split;
+  int64_t units_phase1;
+  int64_t units_total;
+  int64_t num_counters;
+  int64_t num_split_records;
+  int64_t num_residual_records;
+};
+
 struct RejectionSampleParams {
   const void* target_logits;  // [num_rows, vocab] T, unit stride along the vocabulary
   int64_t logits_row_stride;  // in elements
@@ -131,31 +146,11 @@ struct RejectionSampleParams {
   int32_t vocab_size;
   int32_t num_requests;
   int32_t max_spec_len;
-  int32_t num_chunks;
-  int32_t num_tiles;
-  int32_t num_splits;
-  int32_t tiles_per_split;
-  int32_t residual_splits;
-  int32_t residual_tiles_per_split;
-  int32_t units_phase1;
-  int32_t units_total;
+  RejectionSamplePlan plan;
 };
 
 // ------------------------------------------------------------------------------ host plan
 
-struct RejectionSamplePlan {
-  int32_t num_chunks;
-  int32_t num_tiles;
-  int32_t num_splits;
-  int32_t tiles_per_split;
-  int32_t residual_splits;
-  int32_t residual_tiles_per_split;
-  int64_t units_phase1;
-  int64_t units_total;
-  int64_t num_counters;
-  int64_t num_split_records;
-  int64_t num_residual_records;
-};
 
 inline int64_t rs_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -808,9 +803,9 @@ __device__ void decide_request(const RejectionSampleParams& p, int b, RsShared& 
   float stop_max = -INFINITY, stop_sum = 0.0f;
   for (int t = warp; t <= rq.n; t += kRsWarps) {
     const RsSplitRecord* records =
-        p.split_records + (static_cast<int64_t>(b) * (p.max_spec_len + 1) + t) * p.num_splits;
+        p.split_records + (static_cast<int64_t>(b) * (p.max_spec_len + 1) + t) * p.plan.num_splits;
     float4 first = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const RowStats rs = combine_row_records(records, p.num_splits, rq.k, lane, first);
+    const RowStats rs = combine_row_records(records, p.plan.num_splits, rq.k, lane, first);
     const bool is_draft = t < rq.n;
     const int x = __float_as_int(first.x);  // lane 0: split 0's draft (-1 unless a valid id)
     bool stop = true;
@@ -914,8 +909,8 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int width = p.max_spec_len + 1;
-  const int split = unit % p.num_splits;
-  const int row_unit = unit / p.num_splits;
+  const int split = unit % p.plan.num_splits;
+  const int row_unit = unit / p.plan.num_splits;
   const int b = row_unit / width;
   const int t = row_unit % width;
   const RequestContext rq = load_request(p, b);
@@ -925,8 +920,8 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const bool row_ok = row >= 0 && row < p.num_rows;
   const int limit = row_ok ? p.vocab_size : 0;
   const T* row_ptr = static_cast<const T*>(p.target_logits) + (row_ok ? row : 0) * p.logits_row_stride;
-  const int tile_lo = split * p.tiles_per_split;
-  const int tile_hi = min(tile_lo + p.tiles_per_split, p.num_tiles);
+  const int tile_lo = split * p.plan.tiles_per_split;
+  const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
   const float k = rq.k;
   const TileStream<T, kStages, 0> stream{row_ptr, limit, p.logits_vectorized, ElemBits<T>::kNegInf};
   const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
@@ -1003,7 +998,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     const int excluded_chunk = excluded >= 0 ? excluded / kSampleChunk : -1;
     const int excluded_tile = excluded >= 0 ? excluded_chunk / kRsTileChunks : -1;
     const int chunk_lo = tile_lo * kRsTileChunks;
-    fill_race_noise(sm, rq, t, chunk_lo, min(tile_hi * kRsTileChunks, p.num_chunks) - chunk_lo);
+    fill_race_noise(sm, rq, t, chunk_lo, min(tile_hi * kRsTileChunks, p.plan.num_chunks) - chunk_lo);
     __syncthreads();
     store_draft_operands();
     float run_max = -INFINITY, run_sum = 0.0f, race = -INFINITY;
@@ -1126,7 +1121,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     // Release the record, then count it; the last unit of the request finalizes it.
     __threadfence();
     const int done = atomicAdd(p.counters + b, 1);
-    const int last = done == (rq.n + 1) * p.num_splits - 1;
+    const int last = done == (rq.n + 1) * p.plan.num_splits - 1;
     if (last) __threadfence();  // acquire the other units' records
     sm.is_last = last;
   }
@@ -1160,9 +1155,9 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   using ProbStream = TileStream<P, kStages, LogitStream::kBytes>;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int r = unit - p.units_phase1;
-  const int b = r / p.residual_splits;
-  const int split = r % p.residual_splits;
+  const int r = unit - p.plan.units_phase1;
+  const int b = r / p.plan.residual_splits;
+  const int split = r % p.plan.residual_splits;
   {
     const RequestContext rq = load_request(p, b);
     if (rq.greedy) return;  // finalized by its last phase-1 unit
@@ -1171,7 +1166,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
 
   // Wait for the request's phase 1 (those units hold lower tickets: they already run).
   if (threadIdx.x == 0) {
-    const int need = (sm.rq.n + 1) * p.num_splits;
+    const int need = (sm.rq.n + 1) * p.plan.num_splits;
     const volatile int* done = p.counters + b;
     unsigned sleep_ns = 32;
     while (*done < need) {
@@ -1190,12 +1185,12 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   // An invalid draft id at t* ends the chain with nothing to subtract: q's sample is final.
   const bool needs_residual = t_star < rq.n && sm.x_star >= 0 && row_ok;
   if (needs_residual) {
-    RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.residual_splits;
+    RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.plan.residual_splits;
     const float k = rq.k;
     const float inv_sum = __frcp_rn(sm.sum_star);
     const int limit = p.vocab_size;
-    const int tile_lo = split * p.residual_tiles_per_split;
-    const int tile_hi = min(tile_lo + p.residual_tiles_per_split, p.num_tiles);
+    const int tile_lo = split * p.plan.residual_tiles_per_split;
+    const int tile_hi = min(tile_lo + p.plan.residual_tiles_per_split, p.plan.num_tiles);
     const LogitStream logits{static_cast<const T*>(p.target_logits) + row * p.logits_row_stride, limit,
                              p.logits_vectorized, ElemBits<T>::kNegInf};
     const ProbStream probs{static_cast<const P*>(p.draft_probs) + (rq.cu_lo + t_star) * p.draft_probs_row_stride,
@@ -1206,7 +1201,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     };
     issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
     const int chunk_lo = tile_lo * kRsTileChunks;
-    fill_race_noise(sm, rq, t_star, chunk_lo, min(tile_hi * kRsTileChunks, p.num_chunks) - chunk_lo);
+    fill_race_noise(sm, rq, t_star, chunk_lo, min(tile_hi * kRsTileChunks, p.plan.num_chunks) - chunk_lo);
     __syncthreads();
     const int group = threadIdx.x / kRsChunkLanes;
     const int gl = threadIdx.x % kRsChunkLanes;
@@ -1256,14 +1251,14 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   if (threadIdx.x == 0) {
     __threadfence();
     const int done = atomicAdd(p.counters + p.num_requests + b, 1);
-    const int last = done == p.residual_splits - 1;
+    const int last = done == p.plan.residual_splits - 1;
     if (last) __threadfence();
     sm.is_last = last;
   }
   __syncthreads();
   if (sm.is_last) {
     const RequestContext rq = sm.rq;
-    const RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.residual_splits;
+    const RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.plan.residual_splits;
     if (threadIdx.x < 32) {
       // q's own sample of row t*: the bonus, an invalid draft's row, or a residual without
       // mass (q == p up to rounding), with the same noise.
@@ -1274,7 +1269,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int s = lane + 32 * rr;
-          if (s < p.residual_splits) {
+          if (s < p.plan.residual_splits) {
             const float2 rec = __ldcg(reinterpret_cast<const float2*>(records + s));
             if (rec.x > best) {
               best = rec.x;
@@ -1318,7 +1313,7 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     __syncthreads();
     unit = sm.unit;
   }
-  if (unit < p.units_phase1) {
+  if (unit < p.plan.units_phase1) {
     rs_detail::phase1_unit<T, P>(p, sm, unit);
   } else {
     if constexpr (kHasDraftProbs) rs_detail::phase2_unit<T, P>(p, sm, unit);
@@ -1327,7 +1322,7 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     if (threadIdx.x == 0) {
       // Every unit has its ticket once the last one finishes: reset ticket and count.
       const int finished = atomicAdd(p.counters + 2 * p.num_requests + 1, 1);
-      if (finished == p.units_total - 1) {
+      if (finished == p.plan.units_total - 1) {
         p.counters[2 * p.num_requests] = 0;
         p.counters[2 * p.num_requests + 1] = 0;
       }
@@ -1350,7 +1345,7 @@ cudaError_t rejection_sample_prepare(int* blocks_per_sm) {
 template <typename T, typename P>
 void launch_rejection_sample(const RejectionSampleParams& params, cudaStream_t stream) {
   rejection_sample_kernel<T, P>
-      <<<params.units_total, kRsThreads, rejection_sample_smem_bytes<T, P>(), stream>>>(params);
+      <<<static_cast<unsigned int>(params.plan.units_total), kRsThreads, rejection_sample_smem_bytes<T, P>(), stream>>>(params);
 }
 
 }  // namespace specdec
