@@ -1,8 +1,8 @@
 // The specdec op schemas, defined once for every backend.
 //
-// CPU (the reference) and the Triton kernel are registered from Python
-// (specdec_kernels/ops.py); the fused CUDA kernel registers itself for the CUDA
-// dispatch key in rejection_sample_cuda.cu when the extension is built with CUDA.
+// CPU (the reference) and the Triton kernels are registered from Python
+// (specdec_kernels/ops.py); a fused CUDA kernel registers itself for the CUDA dispatch
+// key (rejection_sample_cuda.cu) when the extension is built with CUDA.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -19,4 +19,8 @@ TORCH_LIBRARY(specdec, m) {
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
+      "tree_rejection_sample(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth) "
+      "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 }

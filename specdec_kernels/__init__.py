@@ -6,7 +6,9 @@ validate, pick a backend and document the arguments. See README.md and docs/ALGO
 from . import ops  # noqa: F401  (registers the ops' Python kernels)
 from .backends import available_backends
 from .chain import rejection_sample, rejection_sample_padded
-from .reference import rejection_sample_reference
+from .tree import tree_rejection_sample
+from .reference import rejection_sample_reference, tree_rejection_sample_reference
 
-__all__ = ["available_backends", "rejection_sample", "rejection_sample_padded", "rejection_sample_reference"]
+__all__ = ["available_backends", "rejection_sample", "rejection_sample_padded", "rejection_sample_reference",
+           "tree_rejection_sample", "tree_rejection_sample_reference"]
 __version__ = "0.1.0"

@@ -18,28 +18,33 @@ from . import ops
 BACKENDS = ("auto", "cuda", "triton", "reference")
 
 
-def available_backends() -> dict[str, str]:
-    """Each backend with "available" or the reason it is not."""
+def available_backends(op: str = ops.REJECTION_SAMPLE) -> dict[str, str]:
+    """Each backend of ``op`` ("specdec::rejection_sample" or "specdec::tree_rejection_sample")
+    with "available" or the reason it is not."""
     status = {"reference": "available"}
     if ops.rejection_sample_triton is None:
         status["triton"] = f"not installed ({ops.TRITON_IMPORT_ERROR})"
     else:
         status["triton"] = "available"
-    status["cuda"] = "available" if ops.cuda_kernel_built() else (
-        "not built (specdec_kernels._C was compiled without CUDA: install with a CUDA build of "
-        "torch and the CUDA toolkit, without SPECDEC_SKIP_CUDA=1)")
+    if ops.cuda_kernel_built(op):
+        status["cuda"] = "available"
+    elif op == ops.TREE_REJECTION_SAMPLE:
+        status["cuda"] = "not written yet: the tree op runs the Triton kernel on CUDA tensors"
+    else:
+        status["cuda"] = ("not built (specdec_kernels._C was compiled without CUDA: install with a CUDA "
+                          "build of torch and the CUDA toolkit, without SPECDEC_SKIP_CUDA=1)")
     return status
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
+def resolve_backend(backend: str | None, device: torch.device, op: str = ops.REJECTION_SAMPLE) -> str:
     backend = backend or os.environ.get("SPECDEC_BACKEND") or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cuda":
         if device.type != "cuda":
             raise ValueError(f"backend 'cuda' needs CUDA tensors, got tensors on {device}")
-        if not ops.cuda_kernel_built():
-            raise RuntimeError(f"backend 'cuda' is {available_backends()['cuda']}")
+        if not ops.cuda_kernel_built(op):
+            raise RuntimeError(f"backend 'cuda' of {op} is {available_backends(op)['cuda']}")
     if backend == "triton":
         if ops.rejection_sample_triton is None:
             raise RuntimeError(f"backend 'triton' is {available_backends()['triton']}")

@@ -49,21 +49,57 @@ def check_rejection_sample_inputs(
             f"target_logits has {num_rows} rows but draft_token_ids has N = {num_drafts} and "
             f"cu_num_draft_tokens has B = {batch} requests: expected N + B = {num_drafts + batch} "
             "rows (each request's draft rows, then its bonus row)")
+    _check_draft_probs(draft_probs, num_drafts, vocab, device)
+    _check_request_params(temperature, seeds, offsets, batch, device)
+    _check_width("max_spec_len", max_spec_len)
+
+
+def _check_draft_probs(draft_probs, num_rows: int, vocab: int, device) -> None:
     if draft_probs is not None:
         check_tensor("draft_probs", draft_probs, ndim=2, dtypes=LOGIT_DTYPES, device=device)
-        if tuple(draft_probs.shape) != (num_drafts, vocab):
+        if tuple(draft_probs.shape) != (num_rows, vocab):
             raise ValueError(
-                f"draft_probs must have shape (N, V) = ({num_drafts}, {vocab}), got {tuple(draft_probs.shape)}")
+                f"draft_probs must have shape (N, V) = ({num_rows}, {vocab}), got {tuple(draft_probs.shape)}")
+
+
+def _check_request_params(temperature, seeds, offsets, batch: int, device) -> None:
     for name, t, dtypes in (("temperature", temperature, (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
                             ("seeds", seeds, INDEX_DTYPES), ("offsets", offsets, INDEX_DTYPES)):
         if t is not None:
             check_tensor(name, t, ndim=1, dtypes=dtypes, device=device)
             if t.shape[0] != batch:
                 raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(t.shape)}")
-    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int):
-        raise TypeError(f"max_spec_len must be an int, got {type(max_spec_len).__name__}")
-    if max_spec_len < 0:
-        raise ValueError(f"max_spec_len must be >= 0, got {max_spec_len}")
+
+
+def _check_width(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    if value >= 1 << 24:  # node indices of the random streams have 24 bits (docs/ALGORITHM.md)
+        raise ValueError(f"{name} must be < 2^24, got {value}")
+
+
+def check_tree_rejection_sample_inputs(
+    target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth,
+) -> None:
+    check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
+    device = target_logits.device
+    num_nodes, vocab = target_logits.shape
+    if vocab < 1:
+        raise ValueError("target_logits has an empty vocabulary dimension")
+    for name, t in (("tokens", tokens), ("parents", parents)):
+        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        if t.shape[0] != num_nodes:
+            raise ValueError(f"{name} must have one entry per node (target_logits row): shape ({num_nodes},), "
+                             f"got {tuple(t.shape)}")
+    check_tensor("cu_num_nodes", cu_num_nodes, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if cu_num_nodes.shape[0] < 1:
+        raise ValueError("cu_num_nodes must have B + 1 >= 1 entries (a leading 0)")
+    batch = cu_num_nodes.shape[0] - 1
+    _check_draft_probs(draft_probs, num_nodes, vocab, device)
+    _check_request_params(temperature, seeds, offsets, batch, device)
+    _check_width("max_depth", max_depth)
 
 
 def check_rejection_sample_contents(
@@ -96,17 +132,42 @@ def check_rejection_sample_contents(
         b = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
         raise ValueError(
             f"draft_token_ids[{i}] = {int(ids[i])} (request {b}) is outside the vocabulary [0, {vocab})")
+    _check_values(temperature, draft_probs, cu)
+
+
+def check_tree_rejection_sample_contents(
+    target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+) -> None:
+    """Value checks of the tree op (synchronizes). Call after the metadata checks."""
+    from .tree_utils import check_tree
+
+    num_nodes = target_logits.shape[0]
+    cu = cu_num_nodes.detach().to("cpu", torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_num_nodes[0] must be 0, got {int(cu[0])}")
+    counts = cu[1:] - cu[:-1]
+    bad = torch.nonzero(counts < 0)
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"cu_num_nodes must be non-decreasing: request {b} has "
+                         f"cu[{b + 1}] = {int(cu[b + 1])} < cu[{b}] = {int(cu[b])}")
+    if int(cu[-1]) != num_nodes:
+        raise ValueError(f"cu_num_nodes[-1] = {int(cu[-1])} must equal the number of nodes N = {num_nodes}")
+    check_tree(parents, tokens, cu_num_nodes, vocab_size=target_logits.shape[1],
+               deterministic=draft_probs is None)
+    _check_values(temperature, draft_probs, cu)
+
+
+def _check_values(temperature, draft_probs, cu) -> None:
     if temperature is not None:
         temp = temperature.detach().to("cpu", torch.float64)
         bad = torch.nonzero(~torch.isfinite(temp) | (temp < 0))
         if bad.numel():
             b = int(bad[0])
             raise ValueError(f"temperature[{b}] = {float(temp[b])} must be finite and >= 0 (0 = greedy)")
-    if draft_probs is not None and num_drafts:
-        probs = draft_probs.detach()
-        bad_rows = (~torch.isfinite(probs) | (probs < 0)).any(-1).nonzero()
+    if draft_probs is not None and draft_probs.shape[0]:
+        bad_rows = (~torch.isfinite(draft_probs.detach()) | (draft_probs.detach() < 0)).any(-1).nonzero()
         if bad_rows.numel():
             i = int(bad_rows[0])
             b = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
-            raise ValueError(
-                f"draft_probs row {i} (request {b}) has a negative or non-finite probability")
+            raise ValueError(f"draft_probs row {i} (request {b}) has a negative or non-finite probability")

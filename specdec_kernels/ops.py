@@ -1,33 +1,40 @@
 """Kernels behind ``torch.ops.specdec.*`` that live in Python, and the fake implementations.
 
-The schemas are defined once, in C++ (csrc/ops.cpp). Registered here:
+The schemas are defined once, in C++ (csrc/ops.cpp). Registered here, for each op:
 - CPU: the reference (specdec_kernels.reference) in float64;
 - Meta/fake: output shapes only, for torch.compile and FakeTensor tracing;
-- CUDA: the fused Triton kernel, but only when the C++ extension was built without the
-  fused CUDA kernel (which then owns the CUDA key). If neither is available, calling the op
-  on CUDA tensors raises an error that says so.
+- CUDA: the fused Triton kernel, unless the C++ extension has a fused CUDA kernel for the op
+  (which then owns the CUDA key; today rejection_sample). If neither is available, calling
+  the op on CUDA tensors raises an error that says so.
 """
 from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (loads the schemas, and the CUDA kernel when built)
-from .checks import check_rejection_sample_inputs
-from .reference import rejection_sample_reference
+from . import _C  # noqa: F401  (loads the schemas, and the CUDA kernels when built)
+from .checks import check_rejection_sample_inputs, check_tree_rejection_sample_inputs
+from .reference import rejection_sample_reference, tree_rejection_sample_reference
 
 REJECTION_SAMPLE = "specdec::rejection_sample"
+TREE_REJECTION_SAMPLE = "specdec::tree_rejection_sample"
 
 try:
     from .triton_rejection_sample import rejection_sample_triton
+    from .triton_tree_rejection_sample import tree_rejection_sample_triton
     TRITON_IMPORT_ERROR: str | None = None
 except ImportError as e:  # triton is an optional dependency
-    rejection_sample_triton = None
+    rejection_sample_triton = tree_rejection_sample_triton = None
     TRITON_IMPORT_ERROR = str(e)
 
+# Ops whose CUDA dispatch key a C++ kernel of specdec_kernels._C owns (checked before Python
+# registers anything): the others get the Triton kernel on CUDA.
+_CUDA_BUILT = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+               for op in (REJECTION_SAMPLE, TREE_REJECTION_SAMPLE)}
 
-def cuda_kernel_built() -> bool:
-    """True when the fused CUDA C++ kernel was compiled into specdec_kernels._C."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(REJECTION_SAMPLE, "CUDA") and not _TRITON_OWNS_CUDA
+
+def cuda_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
+    """True when the fused CUDA C++ kernel of ``op`` was compiled into specdec_kernels._C."""
+    return _CUDA_BUILT[op]
 
 
 def draw_seeds(batch: int, device: torch.device) -> torch.Tensor:
@@ -45,11 +52,20 @@ def inner_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
                 seeds, offsets, max_spec_len):
-    """The Triton kernel on checked inputs (seeds drawn when absent)."""
+    """The Triton chain kernel on checked inputs (seeds drawn when absent)."""
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     tensors = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets)
     return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len)
+
+
+def tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
+                     offsets, max_depth):
+    """The Triton tree kernel on checked inputs (seeds drawn when absent)."""
+    if seeds is None:
+        seeds = draw_seeds(cu_num_nodes.shape[0] - 1, target_logits.device)
+    tensors = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets)
+    return tree_rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_depth)
 
 
 _lib = torch.library.Library("specdec", "IMPL")
@@ -73,19 +89,54 @@ def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, d
                                       temperature, seeds, offsets, max_spec_len)
 
 
+def _no_gpu_backend(op: str):
+    raise RuntimeError(
+        f"{op} on CUDA: no GPU backend is available -- the CUDA kernel was not built into "
+        f"specdec_kernels._C and triton cannot be imported ({TRITON_IMPORT_ERROR})")
+
+
 def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len):
     if rejection_sample_triton is None:
-        raise RuntimeError(
-            "specdec.rejection_sample on CUDA: no GPU backend is available -- the CUDA kernel was "
-            f"not built into specdec_kernels._C and triton cannot be imported ({TRITON_IMPORT_ERROR})")
+        _no_gpu_backend(REJECTION_SAMPLE)
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len)
     return triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
                        seeds, offsets, max_spec_len)
 
 
+@torch.library.register_fake(TREE_REJECTION_SAMPLE)
+def _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+                                seeds, offsets, max_depth):
+    batch = cu_num_nodes.shape[0] - 1
+    out = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
+    nodes = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
+    return out, nodes, target_logits.new_empty((batch,), dtype=torch.int32)
+
+
+def _tree_rejection_sample_cpu(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+                               seeds, offsets, max_depth):
+    check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                       temperature, seeds, offsets, max_depth)
+    if seeds is None:
+        seeds = draw_seeds(cu_num_nodes.shape[0] - 1, target_logits.device)
+    return tree_rejection_sample_reference(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                           temperature, seeds, offsets, max_depth)
+
+
+def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                       temperature, seeds, offsets, max_depth):
+    if tree_rejection_sample_triton is None:
+        _no_gpu_backend(TREE_REJECTION_SAMPLE)
+    check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                       temperature, seeds, offsets, max_depth)
+    return tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+                            seeds, offsets, max_depth)
+
+
 _lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
-_TRITON_OWNS_CUDA = not torch._C._dispatch_has_kernel_for_dispatch_key(REJECTION_SAMPLE, "CUDA")
-if _TRITON_OWNS_CUDA:
+_lib.impl("tree_rejection_sample", _tree_rejection_sample_cpu, "CPU")
+if not _CUDA_BUILT[REJECTION_SAMPLE]:
     _lib.impl("rejection_sample", _rejection_sample_cuda_triton, "CUDA")
+if not _CUDA_BUILT[TREE_REJECTION_SAMPLE]:
+    _lib.impl("tree_rejection_sample", _tree_rejection_sample_cuda_triton, "CUDA")

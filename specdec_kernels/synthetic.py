@@ -135,3 +135,69 @@ def first_two_tokens(sampler, pair: MarkovPair, num_requests: int, num_drafts: t
         second = second.clone()
         second[short] = step(first[short], num_drafts[short], 1)[:, 0]
     return first, second
+
+
+def first_tokens_tree(tree_sampler, pair: MarkovPair, num_requests: int, tree_parents: list[int],
+                      temperature: float, deterministic: bool, seed: int, num_tokens: int = 2,
+                      logits_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Generate ``num_tokens`` tokens per request with tree steps of ``tree_sampler`` and return
+    them ([M, num_tokens] int64 on CPU).
+
+    ``tree_sampler(target_logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets,
+    max_depth)`` is any backend of the tree op. Every step uses a tree of the shape
+    ``tree_parents`` (local parent indices, -1 for the root) whose root is the last token so
+    far: children drawn i.i.d. from the draft row of their parent, or (``deterministic``) the
+    parent row's most likely draft tokens, distinct, in order. A step that emits fewer tokens
+    than needed is followed by another (the next offset) from its last token.
+    """
+    g = torch.Generator().manual_seed(seed)
+    vocab = pair.q0.shape[0]
+    n = len(tree_parents)
+    par = torch.tensor(tree_parents)
+    depth = [0] * n
+    for j in range(1, n):
+        depth[j] = depth[tree_parents[j]] + 1
+    max_depth = max(depth)
+    rank = [sum(1 for i in range(1, j) if tree_parents[i] == tree_parents[j]) for j in range(n)]
+
+    def step(prev: torch.Tensor | None, m: int, offset: int, seeds: torch.Tensor) -> torch.Tensor:
+        node_tok = torch.zeros(m, n, dtype=torch.int64)
+        rows = torch.zeros(m, n, vocab, dtype=torch.float64)
+        draft = torch.zeros(m, n, vocab, dtype=torch.float64)
+        rows[:, 0] = pair.q0.expand(m, vocab) if prev is None else pair.Q[prev]
+        draft[:, 0] = pair.p0.expand(m, vocab) if prev is None else pair.P[prev]
+        for j in range(1, n):
+            parent_draft = draft[:, tree_parents[j]]
+            if deterministic:
+                x = parent_draft.topk(rank[j] + 1, -1).indices[:, rank[j]]
+            else:
+                x = torch.multinomial(parent_draft, 1, generator=g).squeeze(1)
+            node_tok[:, j] = x
+            rows[:, j] = pair.Q[x]
+            draft[:, j] = pair.P[x]
+        cu = torch.arange(0, (m + 1) * n, n, dtype=torch.int32)
+        parents = par.repeat(m).to(torch.int32)
+        temp = torch.full((m,), float(temperature), dtype=torch.float32)
+        out, _, _ = tree_sampler(rows.reshape(m * n, vocab).to(logits_dtype).to(device),
+                                 node_tok.reshape(-1).to(device), parents.to(device), cu.to(device),
+                                 None if deterministic else draft.reshape(m * n, vocab).float().to(device),
+                                 temp.to(device), seeds.to(device), torch.full((m,), offset, dtype=torch.int64).to(device),
+                                 max_depth)
+        return out.cpu().long()
+
+    seeds = torch.arange(num_requests, dtype=torch.int64) * 7919 + seed
+    tokens = torch.full((num_requests, num_tokens), -1, dtype=torch.int64)
+    have = torch.zeros(num_requests, dtype=torch.int64)
+    prev = None
+    todo = torch.arange(num_requests)
+    offset = 0
+    while todo.numel():
+        out = step(None if prev is None else prev[todo], todo.numel(), offset, seeds[todo])
+        for j in range(out.shape[1]):
+            emit = (out[:, j] >= 0) & (have[todo] < num_tokens)
+            tokens[todo[emit], have[todo[emit]]] = out[emit, j]
+            have[todo[emit]] += 1
+        prev = tokens.gather(1, (have - 1).clamp(min=0)[:, None]).squeeze(1)
+        todo = todo[have[todo] < num_tokens]
+        offset += 1
+    return tokens

@@ -1,0 +1,88 @@
+"""Tree verification: the Python API of ``torch.ops.specdec.tree_rejection_sample``."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops
+from .backends import resolve_backend
+from .checks import check_tree_rejection_sample_contents, check_tree_rejection_sample_inputs
+from .reference import tree_rejection_sample_reference
+
+
+def tree_rejection_sample(
+    target_logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    cu_num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    max_depth: int | None = None,
+    *,
+    backend: str | None = None,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify a ragged batch of draft token trees and sample the final tokens.
+
+    Multi-step speculative sampling (SpecInfer; EAGLE / Medusa trees): from the root, the
+    children of the current node are tested in index order against the residual, the first
+    accepted child is descended into, and the final token comes from the residual where the
+    walk stops (docs/ALGORITHM.md §5). The emitted tokens follow the target exactly. A chain
+    (every node with one child) gives the same tokens as ``rejection_sample``.
+
+    Parameters
+    ----------
+    target_logits : Tensor [N, V], float32 / bfloat16 / float16
+        Row v = the target's logits for the token after node v.
+    tokens : Tensor [N], int32 / int64
+        Each node's token (the root's, the last verified token, is not tested).
+    parents : Tensor [N], int32 / int64
+        Local parent index of each node (parent < child), -1 for the root (local node 0).
+    cu_num_nodes : Tensor [B + 1], int32 / int64
+        Exclusive offsets: request b owns rows ``cu[b] .. cu[b+1] - 1``.
+    draft_probs : Tensor [N, V] or None
+        Row v = the distribution v's children were sampled from (i.i.d.). None means
+        deterministic drafts: distinct children chosen without sampling (top-k trees).
+    temperature, seeds, offsets
+        As in ``rejection_sample`` (per request; 0 = greedy).
+    max_depth : int or None
+        Output width - 1; the walk never descends deeper. None = the largest node count - 1,
+        which synchronizes: pass it on the hot path.
+    backend : {"auto", "cuda", "triton", "reference"} or None
+        None = $SPECDEC_BACKEND or "auto". (The tree op has no CUDA C++ kernel yet: on CUDA
+        tensors "auto" runs the Triton kernel.)
+    validate : bool or None
+        Also check the values (tree structure, ids, temperatures, probabilities); synchronizes.
+        None = $SPECDEC_VALIDATE == "1".
+
+    Returns
+    -------
+    output_token_ids : Tensor [B, max_depth + 1], int32
+        The accepted path's tokens, then the final token, then -1.
+    accepted_nodes : Tensor [B, max_depth + 1], int32
+        Local indices of the root (0) and the accepted path's nodes, then -1: the KV entries
+        to keep; ``accepted_nodes[b, j]`` is the node whose row scored ``output_token_ids[b, j]``.
+    num_accepted : Tensor [B], int32
+        Accepted nodes per request (the root and the final token not counted).
+    """
+    if max_depth is None:
+        counts = (cu_num_nodes[1:] - cu_num_nodes[:-1]) if cu_num_nodes.numel() > 1 else None
+        max_depth = max(int(counts.max()) - 1, 0) if counts is not None and counts.numel() else 0
+    check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                       temperature, seeds, offsets, max_depth)
+    if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
+        check_tree_rejection_sample_contents(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                             temperature)
+    device = target_logits.device
+    backend = resolve_backend(backend, device, ops.TREE_REJECTION_SAMPLE)
+    if seeds is None:
+        seeds = ops.draw_seeds(cu_num_nodes.shape[0] - 1, device)
+    args = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth)
+    if backend == "reference":
+        return tree_rejection_sample_reference(*args)
+    if backend == "triton":
+        return ops.tree_triton_call(*args)
+    return torch.ops.specdec.tree_rejection_sample(*args)
