@@ -236,3 +236,23 @@ def test_tree_shape_errors():
         specdec_kernels.tree_rejection_sample(logits, tokens.float(), parents, cu, max_depth=2)
     with pytest.raises(ValueError, match="max_depth must be >= 0"):
         specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, max_depth=-1)
+
+
+def test_tree_validate_mode_names_the_problem():
+    logits = torch.randn(4, 11)
+    parents = torch.tensor([-1, 0, 0, 1], dtype=torch.int32)
+    tokens = torch.tensor([0, 5, 6, 1])
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    cases = [
+        (dict(parents=torch.tensor([-1, 0, 3, 1], dtype=torch.int32)), r"parents\[2\] = 3 .* not smaller"),
+        (dict(tokens=torch.tensor([0, 5, 5, 1])), r"tokens"),  # equal siblings, deterministic drafts
+        (dict(tokens=torch.tensor([0, 5, 11, 1])), r"tokens\[2\] = 11 .* outside the vocabulary"),
+        (dict(max_depth=1), r"depth 2 > "),
+        (dict(cu_num_nodes=torch.tensor([0, 3], dtype=torch.int32)), r"cu_num_nodes\[-1\] = 3"),
+    ]
+    for change, match in cases:
+        kwargs = dict(target_logits=logits, tokens=tokens, parents=parents, cu_num_nodes=cu, max_depth=3)
+        kwargs.update(change)
+        specdec_kernels.tree_rejection_sample(**kwargs)  # no content check: runs, stays in bounds
+        with pytest.raises(ValueError, match=match):
+            specdec_kernels.tree_rejection_sample(**kwargs, validate=True)

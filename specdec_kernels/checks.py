@@ -136,26 +136,14 @@ def check_rejection_sample_contents(
 
 
 def check_tree_rejection_sample_contents(
-    target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+    target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, max_depth,
 ) -> None:
     """Value checks of the tree op (synchronizes). Call after the metadata checks."""
     from .tree_utils import check_tree
 
-    num_nodes = target_logits.shape[0]
-    cu = cu_num_nodes.detach().to("cpu", torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_num_nodes[0] must be 0, got {int(cu[0])}")
-    counts = cu[1:] - cu[:-1]
-    bad = torch.nonzero(counts < 0)
-    if bad.numel():
-        b = int(bad[0])
-        raise ValueError(f"cu_num_nodes must be non-decreasing: request {b} has "
-                         f"cu[{b + 1}] = {int(cu[b + 1])} < cu[{b}] = {int(cu[b])}")
-    if int(cu[-1]) != num_nodes:
-        raise ValueError(f"cu_num_nodes[-1] = {int(cu[-1])} must equal the number of nodes N = {num_nodes}")
     check_tree(parents, tokens, cu_num_nodes, vocab_size=target_logits.shape[1],
-               deterministic=draft_probs is None)
-    _check_values(temperature, draft_probs, cu)
+               deterministic=draft_probs is None, max_depth=max_depth)
+    _check_values(temperature, draft_probs, cu_num_nodes.detach().to("cpu", torch.int64))
 
 
 def _check_values(temperature, draft_probs, cu) -> None:

@@ -18,6 +18,12 @@ from .reference import rejection_sample_reference, tree_rejection_sample_referen
 REJECTION_SAMPLE = "specdec::rejection_sample"
 TREE_REJECTION_SAMPLE = "specdec::tree_rejection_sample"
 
+for _name in ("rejection_sample", "tree_rejection_sample"):
+    if not hasattr(torch.ops.specdec, _name):
+        raise ImportError(
+            f"specdec_kernels._C defines no specdec::{_name}: the compiled extension is older than the "
+            "Python package; rebuild it (pip install --no-build-isolation -e .)")
+
 try:
     from .triton_rejection_sample import rejection_sample_triton
     from .triton_tree_rejection_sample import tree_rejection_sample_triton

@@ -55,8 +55,9 @@ def tree_rejection_sample(
         None = $SPECDEC_BACKEND or "auto". (The tree op has no CUDA C++ kernel yet: on CUDA
         tensors "auto" runs the Triton kernel.)
     validate : bool or None
-        Also check the values (tree structure, ids, temperatures, probabilities); synchronizes.
-        None = $SPECDEC_VALIDATE == "1".
+        Also check the values (``tree_utils.check_tree``: offsets, root and parent links, ids,
+        distinct siblings for deterministic drafts, depth <= max_depth; temperatures and
+        probabilities); synchronizes. None = $SPECDEC_VALIDATE == "1".
 
     Returns
     -------
@@ -75,7 +76,7 @@ def tree_rejection_sample(
                                        temperature, seeds, offsets, max_depth)
     if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
         check_tree_rejection_sample_contents(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                             temperature)
+                                             temperature, max_depth)
     device = target_logits.device
     backend = resolve_backend(backend, device, ops.TREE_REJECTION_SAMPLE)
     if seeds is None:
