@@ -148,7 +148,8 @@ def test_content_errors_only_with_validate():
     probs = base["draft_probs"].clone()
     if n:
         probs[0, 3] = float("nan")
-        cases.append((dict(draft_probs=probs), "draft_probs row 0"))
+        cases.append((dict(draft_probs=probs), "draft_probs row 0 .* non-finite"))
+        cases.append((dict(draft_probs=base["draft_probs"] * 2), r"draft_probs row 0 .* sums to 2.0000"))
     for change, match in cases:
         kwargs = _with(**change)
         specdec_kernels.rejection_sample(**kwargs)  # no content check: runs, stays in bounds

@@ -90,6 +90,10 @@ def chain_batches(draw):
     seeds = torch.randint(-(2**62), 2**62, (batch,), generator=g)
     offsets = torch.randint(0, 2**40, (batch,), generator=g) if draw(st.booleans()) else None
     ids = ids.to(draw(st.sampled_from([torch.int32, torch.int64])))
+    if batch and draw(st.integers(0, 4)) == 0:
+        # Malformed offsets (not starting at 0, decreasing, negative, past N): rows and drafts
+        # outside the tensors read as masked; nothing is read out of bounds.
+        cu = torch.randint(-3, n + 6, (batch + 1,), generator=g)
     cu = cu.to(draw(st.sampled_from([torch.int32, torch.int64])))
     return (logits.to(dtype), ids, cu, probs, temperature, seeds, offsets, max_spec_len)
 
@@ -106,7 +110,8 @@ def test_chain_fuzz_reference_invariants(args):
 
 
 def _check_chain_outputs(out, num, args):
-    """check_invariants, except that a row without a valid logit yields -1 as its final token."""
+    """check_invariants, except that a row without a valid logit (or outside the tensor, with
+    malformed offsets) yields -1 as its final token."""
     logits, ids, cu, _, _, _, _, max_spec_len = args
     out, num = out.cpu().long(), num.cpu().long()
     batch = cu.shape[0] - 1
@@ -114,11 +119,11 @@ def _check_chain_outputs(out, num, args):
     valid_rows = (~torch.isnan(logits.float()) & (logits.float() > float("-inf"))).any(-1)
     for b in range(batch):
         k = int(num[b])
-        assert 0 <= k <= min(int(cu[b + 1] - cu[b]), max_spec_len)
+        assert 0 <= k <= max(0, min(int(cu[b + 1] - cu[b]), max_spec_len))
         assert out[b, :k].tolist() == ids[int(cu[b]):int(cu[b]) + k].long().tolist()
         final_row = int(cu[b]) + b + k
         token = int(out[b, k])
-        if valid_rows[final_row]:
+        if 0 <= final_row < logits.shape[0] and valid_rows[final_row]:
             assert 0 <= token < logits.shape[1]
             value = logits[final_row, token].float()
             assert not torch.isnan(value) and value > float("-inf"), "emitted a token with q = 0"

@@ -154,8 +154,17 @@ def _check_values(temperature, draft_probs, cu) -> None:
             b = int(bad[0])
             raise ValueError(f"temperature[{b}] = {float(temp[b])} must be finite and >= 0 (0 = greedy)")
     if draft_probs is not None and draft_probs.shape[0]:
-        bad_rows = (~torch.isfinite(draft_probs.detach()) | (draft_probs.detach() < 0)).any(-1).nonzero()
+        probs = draft_probs.detach()
+        bad_rows = (~torch.isfinite(probs) | (probs < 0)).any(-1).nonzero()
         if bad_rows.numel():
             i = int(bad_rows[0])
             b = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
             raise ValueError(f"draft_probs row {i} (request {b}) has a negative or non-finite probability")
+        # Exactness needs the draft's own distribution: rows must sum to 1 (bf16 rounding allowed).
+        sums = probs.float().sum(-1)
+        bad_rows = ((sums - 1).abs() > 1e-2).nonzero()
+        if bad_rows.numel():
+            i = int(bad_rows[0])
+            b = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
+            raise ValueError(f"draft_probs row {i} (request {b}) sums to {float(sums[i]):.4f}, not 1: pass the "
+                             "normalized distribution the draft was sampled from")
