@@ -60,6 +60,7 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "triton": ["triton>=3.0"],
+        "hf": ["transformers>=4.45"],
         "test": ["pytest", "scipy", "hypothesis", "triton>=3.0"],
         "bench": ["matplotlib", "triton>=3.0"],
     },

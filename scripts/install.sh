@@ -13,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip setuptools wheel
-python -m pip install -q "${SPECDEC_TORCH:-torch==2.14.1}" numpy scipy pytest pytest-timeout hypothesis triton matplotlib ninja transformers
+python -m pip install -q "${SPECDEC_TORCH:-torch==2.14.1}" numpy scipy pytest pytest-timeout hypothesis triton matplotlib ninja "transformers>=4.45"
 # nvcc may be a wrapper script on PATH; torch must see the real toolkit to link the extension.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 python -m pip install -q --no-build-isolation --no-deps -e .
