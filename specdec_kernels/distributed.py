@@ -1,0 +1,272 @@
+"""Vocabulary-parallel chain verification over torch.distributed.
+
+When the target's LM head is tensor-parallel, each rank holds the logits of one contiguous
+vocabulary shard ``[vocab_start, vocab_start + V_local)``. Engines usually all-gather
+B*(K+1)*V logits to sample; verification only needs per-row statistics and one sampled token
+per request, so here the shards stay where they are and the ranks exchange O(B*(K+1)) numbers
+(plus a few per request and rank) in four small collectives:
+
+1. all_gather of per-row (max, sum of exp((l - max)/T), first argmax, l(x_t)) and per-draft
+   p(x_t): every rank then runs the same accept tests (docs/ALGORITHM.md §1) and finds t*;
+2. all_gather of each rank's two edge partial sums of the final row's sampling weights: the
+   chunks of 256 entries that straddle shard boundaries get their totals;
+3. all_gather of each rank's best chunk of the race (§3) among the chunks that start in its
+   shard: the winning chunk;
+4. all_reduce(MIN) of the in-chunk inverse-CDF token (each rank offsets its prefix sums by
+   the partial sums of the ranks before it inside the chunk).
+
+The random streams are keyed by the global vocabulary index (chunk c of the global row), so
+every rank draws exactly the noise the single-device op draws, and the outputs equal the
+single-device op's on the gathered logits for the same seeds (except at float near-ties);
+all ranks return the same outputs. The local work is vectorized PyTorch (any device; gloo on
+CPUs, NCCL on GPUs); no host synchronization inside.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_tensor, LOGIT_DTYPES, INDEX_DTYPES
+from .philox import (
+    SAMPLE_CHUNK,
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
+    open_uniform_from_word,
+    philox_words,
+    uniform_from_word,
+)
+from .reference import FLT_MAX, _rows, sanitize_logits
+
+_NEG_INF = float("-inf")
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """[world, *t.shape]: every rank's ``t`` (same shape and dtype on every rank)."""
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def rejection_sample_vocab_parallel(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    max_spec_len: int | None = None,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` on vocabulary shards: the same arguments, except that
+    ``target_logits`` [N + B, V_local] (and ``draft_probs`` [N, V_local]) hold this rank's
+    shard ``[vocab_start, vocab_start + V_local)`` of a vocabulary of ``vocab_size`` entries.
+
+    Every rank must pass the same ``draft_token_ids``, ``cu_num_draft_tokens``,
+    ``temperature``, ``seeds``, ``offsets`` and ``max_spec_len`` (seeds absent: rank 0 draws
+    them and broadcasts them); shards must tile ``[0, vocab_size)`` in rank order, any sizes
+    (V need not be divisible by the world size). Returns the single-device op's outputs,
+    identical on every rank: ``output_token_ids`` [B, max_spec_len + 1] and ``num_accepted``
+    [B], int32.
+    """
+    check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
+    device = target_logits.device
+    check_tensor("draft_token_ids", draft_token_ids, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    R, v_local = target_logits.shape
+    N = draft_token_ids.shape[0]
+    B = cu_num_draft_tokens.shape[0] - 1
+    if R != N + B:
+        raise ValueError(f"target_logits has {R} rows; expected N + B = {N} + {B}")
+    if not 0 <= vocab_start <= vocab_start + v_local <= vocab_size:
+        raise ValueError(f"the shard [vocab_start, vocab_start + V_local) = [{vocab_start}, {vocab_start + v_local}) "
+                         f"must lie in [0, vocab_size = {vocab_size})")
+    if draft_probs is not None and tuple(draft_probs.shape) != (N, v_local):
+        raise ValueError(f"draft_probs must have shape (N, V_local) = ({N}, {v_local}), got {tuple(draft_probs.shape)}")
+    if max_spec_len is None:
+        max_spec_len = int((cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).max()) if B else 0
+    L = int(max_spec_len)
+    if seeds is None:
+        seeds = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64, device=device)
+        dist.broadcast(seeds, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    seeds = seeds.to(torch.int64)
+    offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
+    lo, hi = vocab_start, vocab_start + v_local
+
+    # ---- local rows [B, L+1, V_local] and draft positions (the reference's layout) ----------
+    cu = cu_num_draft_tokens.to(torch.int64)
+    n = (cu[1:] - cu[:-1]).clamp(0, L)
+    b_idx = torch.arange(B, device=device)
+    t = torch.arange(L + 1, device=device)
+    row_idx = cu[:-1, None] + b_idx[:, None] + t[None, :]
+    row_ok = (t[None, :] <= n[:, None]) & (row_idx >= 0) & (row_idx < R)
+    logits = sanitize_logits(_rows(target_logits, row_idx).to(compute_dtype))
+    logits.masked_fill_(~row_ok[..., None], _NEG_INF)
+    temp = (torch.ones(B, device=device) if temperature is None else temperature).to(compute_dtype)
+    greedy = ~(temp > 0)
+    inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
+
+    local_max = logits.max(-1).values if v_local else torch.full((B, L + 1), _NEG_INF, device=device)
+    shift = torch.where(local_max > _NEG_INF, local_max, 0.0)
+    local_sum = ((logits - shift[..., None]) * inv_temp[:, None, None]).exp().sum(-1) if v_local else \
+        torch.zeros(B, L + 1, device=device)
+    lane = torch.arange(v_local, device=device)
+    is_max = (logits == local_max[..., None]) & (local_max[..., None] > _NEG_INF)
+    local_argmax = torch.where(is_max, lane + lo, vocab_size).min(-1).values if v_local else \
+        torch.full((B, L + 1), vocab_size, device=device)
+
+    td = t[:L]
+    d_idx = cu[:-1, None] + td[None, :]
+    d_ok = (td[None, :] < n[:, None]) & (d_idx >= 0) & (d_idx < N)
+    x = torch.where(d_ok, _rows(draft_token_ids, d_idx).to(torch.int64), -1)
+    x_ok = d_ok & (x >= 0) & (x < vocab_size)
+    mine = x_ok & (x >= lo) & (x < hi)
+    x_local = (x - lo).clamp(0, max(v_local - 1, 0))
+    l_x = torch.where(mine, logits[:, :L].gather(2, x_local[..., None]).squeeze(-1) if v_local else 0.0, _NEG_INF)
+    if draft_probs is not None:
+        p_rows = _rows(draft_probs, d_idx)
+        p_x = torch.where(mine, p_rows.gather(2, x_local[..., None]).squeeze(-1).to(compute_dtype) if v_local else 0.0,
+                          _NEG_INF)
+    else:
+        p_x = torch.full_like(l_x, _NEG_INF)
+
+    # ---- collective 1: row statistics and the drafted tokens' values ------------------------
+    pad = torch.full((B, 1), _NEG_INF, dtype=compute_dtype, device=device)
+    stats = torch.stack([local_max, local_sum, local_argmax.to(compute_dtype),
+                         torch.cat([l_x, pad], 1), torch.cat([p_x, pad], 1)], -1)  # [B, L+1, 5]
+    gathered = _all_gather(stats, group)  # [W, B, L+1, 5]
+    g_max, g_sum, g_am, g_lx, g_px = gathered.unbind(-1)
+    row_max = g_max.max(0).values
+    live = g_max > _NEG_INF
+    row_sum = torch.where(live, g_sum * ((g_max - torch.where(row_max > _NEG_INF, row_max, 0.0)[None])
+                                         * inv_temp[None, :, None]).exp(), 0.0).sum(0)
+    argmax = torch.where(live & (g_max == row_max[None]), g_am, float(vocab_size)).min(0).values.to(torch.int64)
+    argmax = torch.where(row_max > _NEG_INF, argmax, -1)
+    lx = g_lx.max(0).values[:, :L]
+    px = g_px.max(0).values[:, :L] if draft_probs is not None else torch.ones(B, L, dtype=compute_dtype, device=device)
+
+    # ---- accept tests, identical on every rank ----------------------------------------------
+    rm, rs = row_max[:, :L], row_sum[:, :L]
+    q_x = torch.where(x_ok & (lx > _NEG_INF) & (rm > _NEG_INF),
+                      ((lx - torch.where(rm > _NEG_INF, rm, 0.0)) * inv_temp[:, None]).exp() / rs.clamp(min=1e-38), 0.0)
+    a0, _, _, _ = philox_words(seeds[:, None], offsets[:, None], STREAM_ACCEPT, td[None, :] + 1, torch.zeros_like(td)[None, :])
+    u = uniform_from_word(a0, compute_dtype)
+    accept = torch.where(greedy[:, None], x == argmax[:, :L], u * px < q_x) & x_ok
+    t_star = accept.to(torch.int64).cumprod(-1).sum(-1) if L else torch.zeros(B, dtype=torch.int64, device=device)
+    rejected = t_star < n
+    x_star = torch.where(rejected, x[b_idx, t_star.clamp(max=max(L - 1, 0))] if L else -1, -1)
+    x_star_ok = (x_star >= 0) & (x_star < vocab_size)
+
+    # ---- the final row's sampling weights on this shard --------------------------------------
+    m_star, s_star = row_max[b_idx, t_star], row_sum[b_idx, t_star]
+    lg_star = logits[b_idx, t_star]  # [B, V_local]
+    q_star = torch.where(lg_star > _NEG_INF,
+                         ((lg_star - torch.where(m_star > _NEG_INF, m_star, 0.0)[:, None]) * inv_temp[:, None]).exp()
+                         / s_star.clamp(min=1e-38)[:, None], 0.0)
+    if draft_probs is not None:
+        p_star = _rows(draft_probs, cu[:-1] + t_star).to(compute_dtype)
+        residual = torch.nan_to_num(torch.where(q_star > 0, (q_star - p_star).clamp(min=0), 0.0), nan=0.0)
+        weights = torch.where((rejected & x_star_ok)[:, None], residual, q_star)
+        fallback = q_star  # a residual without mass: q itself, same noise
+    else:
+        weights = torch.where((lane + lo)[None, :] == x_star[:, None], 0.0, q_star)
+        fallback = None  # q minus the draft is empty only for a point mass: its argmax
+    token = _sample_sharded(weights, seeds, offsets, t_star, lo, hi, vocab_size, group)
+    if fallback is not None:
+        token = torch.where(token < 0, _sample_sharded(fallback, seeds, offsets, t_star, lo, hi, vocab_size, group), token)
+    else:
+        token = torch.where(token < 0, argmax[b_idx, t_star], token)
+    token = torch.where(greedy, argmax[b_idx, t_star], token)
+
+    out = torch.full((B, L + 1), -1, dtype=torch.int64, device=device)
+    out[:, :L] = torch.where(td[None, :] < t_star[:, None], x, -1)
+    out.scatter_(1, t_star[:, None], token[:, None])
+    return out.to(torch.int32), t_star.to(torch.int32)
+
+
+def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: int, vocab_size: int, group):
+    """``reference.chunked_categorical`` of the global row whose entries [lo, hi) are ``weights``
+    [B, hi - lo] on this rank: same chunks, same noise, same token (-1 without mass)."""
+    device = weights.device
+    B = weights.shape[0]
+    dtype = weights.dtype
+    weights = torch.nan_to_num(weights, nan=0.0).clamp(min=0)
+    # Chunks this shard touches, and the global chunk of each local entry.
+    c_first = lo // SAMPLE_CHUNK
+    c_last = (hi - 1) // SAMPLE_CHUNK if hi > lo else c_first - 1
+    n_local_chunks = max(c_last - c_first + 1, 0)
+    lane_chunk = (torch.arange(lo, hi, device=device) // SAMPLE_CHUNK) - c_first
+    part = torch.zeros(B, n_local_chunks, dtype=dtype, device=device)
+    if n_local_chunks:
+        part.index_add_(1, lane_chunk, weights)
+    # ---- collective 2: the partial sums of the (at most two) edge chunks of every shard -----
+    edges = torch.stack([
+        torch.full((B,), float(c_first), dtype=dtype, device=device),
+        part[:, 0] if n_local_chunks else torch.zeros(B, dtype=dtype, device=device),
+        torch.full((B,), float(c_last), dtype=dtype, device=device),
+        part[:, -1] if n_local_chunks > 1 else torch.zeros(B, dtype=dtype, device=device),
+        torch.full((B,), float(n_local_chunks), dtype=dtype, device=device),
+    ], -1)  # [B, 5]
+    all_edges = _all_gather(edges, group)  # [W, B, 5]
+    my_rank = dist.get_rank(group)
+    totals = part.clone()
+    if n_local_chunks:
+        # Add other ranks' partial sums of the chunks this shard shares with them.
+        for w in range(all_edges.shape[0]):
+            if w == my_rank:
+                continue
+            ef, pf, el, pl, cnt = all_edges[w].unbind(-1)
+            for chunk_idx, partial, valid in ((ef, pf, cnt >= 1), (el, pl, cnt >= 2)):
+                local = chunk_idx.to(torch.int64) - c_first
+                hit = valid & (local >= 0) & (local < n_local_chunks)
+                totals[hit, local[hit]] += partial[hit]
+    # Race over the chunks that start in this shard (each chunk is raced by exactly one rank).
+    chunk_ids = torch.arange(c_first, c_first + n_local_chunks, device=device)
+    owned = (chunk_ids * SAMPLE_CHUNK >= lo) & (chunk_ids * SAMPLE_CHUNK < hi)
+    if n_local_chunks:
+        w0, w1, _, _ = philox_words(seeds[:, None], offsets[:, None], STREAM_SAMPLE, nodes[:, None], chunk_ids[None, :])
+        v = open_uniform_from_word(w1, torch.float64)
+        score = torch.where((totals > 0) & owned[None, :],
+                            torch.log2(totals.to(torch.float64)) - torch.log2(-torch.log2(v)), _NEG_INF)
+        best_local = score.max(-1)
+        best_chunk = chunk_ids[best_local.indices]
+        best_score = best_local.values
+    else:
+        best_chunk = torch.zeros(B, dtype=torch.int64, device=device)
+        best_score = torch.full((B,), _NEG_INF, dtype=torch.float64, device=device)
+    # ---- collective 3: the race's winner -----------------------------------------------------
+    race = _all_gather(torch.stack([best_score, best_chunk.to(torch.float64)], -1), group)  # [W, B, 2]
+    scores, chunks = race[..., 0], race[..., 1]
+    top = scores.max(0).values
+    winner = torch.where(scores == top[None], chunks, float("inf")).min(0).values
+    found = top > _NEG_INF
+    winner = torch.where(found, winner, 0.0).to(torch.int64)
+    # In-chunk inverse CDF: the chunk total, and the mass held by lower vocabulary ranks.
+    local_win = winner - c_first
+    in_shard = found & (local_win >= 0) & (local_win < n_local_chunks)
+    win_total = torch.where(in_shard, totals[torch.arange(B, device=device), local_win.clamp(0, max(n_local_chunks - 1, 0))]
+                            if n_local_chunks else 0.0, 0.0)
+    before = torch.zeros(B, dtype=dtype, device=device)
+    for w in range(all_edges.shape[0]):
+        if w >= my_rank:
+            continue  # shards tile the vocabulary in rank order: lower ranks hold lower entries
+        ef, pf, el, pl, cnt = all_edges[w].unbind(-1)
+        before += torch.where((cnt >= 1) & (ef.to(torch.int64) == winner), pf, 0.0)
+        before += torch.where((cnt >= 2) & (el.to(torch.int64) == winner), pl, 0.0)
+    w0, _, _, _ = philox_words(seeds, offsets, STREAM_SAMPLE, nodes, winner)
+    threshold = uniform_from_word(w0, dtype) * win_total
+    in_win = (lane_chunk[None, :] + c_first) == winner[:, None]
+    w_win = torch.where(in_win, weights, 0.0)
+    prefix = before[:, None] + w_win.cumsum(-1)
+    hit = in_win & (w_win > 0) & (prefix >= threshold[:, None])
+    first = torch.where(hit, torch.arange(lo, hi, device=device)[None, :], vocab_size).min(-1).values \
+        if hi > lo else torch.full((B,), vocab_size, device=device)
+    first = torch.where(in_shard, first, vocab_size)
+    # ---- collective 4: the token (the lowest crossing over the ranks) ------------------------
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    return torch.where(found & (first < vocab_size), first, -1)
