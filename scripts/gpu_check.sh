@@ -3,6 +3,7 @@
 # GPU, run the benchmark. Results go to $OUT (the device tool's folder) or ./gpu_out.
 #   bash scripts/gpu_check.sh [core|full]      (benchmark sweep, default core)
 #   TESTS=python_tests/test_backends.py ...    (a subset of the tests)
+#   SANITIZE=1 ...                             (also compute-sanitizer memcheck on a subset)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,14 @@ python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available
 start=$(date +%s)
 timeout 420 python3 -m pytest -q -rfE --timeout=180 ${TESTS:-python_tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+
+if [ "${SANITIZE:-0}" = "1" ]; then
+  # compute-sanitizer memcheck on a representative subset (slow: small shapes only).
+  start=$(date +%s)
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -x \
+    python_tests/test_semantics.py -k "cuda" 2>&1 | tail -20 | tee "$OUT/sanitizer.log"
+  echo "sanitizer: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
 
 start=$(date +%s)
 timeout 480 python3 benchmarks/bench_rejection_sample.py --sweep "$SWEEP" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^B=" 
