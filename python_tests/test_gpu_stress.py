@@ -38,7 +38,7 @@ def test_rows_beyond_2_pow_31_elements(backend):
     cu = torch.arange(0, (batch + 1) * k, k, dtype=torch.int32, device="cuda")
     logits = torch.randn(batch * (k + 1), vocab, device="cuda", dtype=torch.bfloat16, generator=g)
     assert logits.numel() > 2**31
-    ids = logits[:-1].view(batch, k + 1, vocab)[:, :k].float().argmax(-1).reshape(-1).to(torch.int64)
+    ids = logits.view(batch, k + 1, vocab)[:, :k].argmax(-1).reshape(-1).to(torch.int64)
     temp = torch.where(torch.arange(batch, device="cuda") % 3 == 0, 0.0, 1.0)
     seeds = torch.arange(batch, device="cuda", dtype=torch.int64)
     args = (logits, ids, cu, None, temp, seeds, None, k)
