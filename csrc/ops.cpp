@@ -17,8 +17,8 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(specdec, m) {
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
-      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len) "
-      "-> (Tensor output_token_ids, Tensor num_accepted)");
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
+      "str method=\"token\") -> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "tree_rejection_sample(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth) "

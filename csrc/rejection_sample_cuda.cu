@@ -207,7 +207,11 @@ void launch_for_probs(const Call& call) {
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
-    const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len) {
+    const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
+    c10::string_view method) {
+  TORCH_CHECK(method == "token", kOp, ": method='", std::string(method),
+              "' is not implemented in the CUDA kernel (only 'token'); the Triton kernel has it: "
+              "specdec_kernels.rejection_sample(..., backend='triton'), or backend='auto' which picks it");
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());

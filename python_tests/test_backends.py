@@ -17,7 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _agreement(backend, args, **kw):
-    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
+    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference", method=kw.get("method", "token"))
     out, num = specdec_kernels.rejection_sample(*args, backend=backend, **kw)
     check_invariants(out, num, args)
     same = (out.cpu() == ref_out.cpu()).all(1) & (num.cpu() == ref_num.cpu())
@@ -29,9 +29,10 @@ def _agreement(backend, args, **kw):
 @pytest.mark.parametrize("vocab", VOCABS_CPU)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_triton_interpreter_matches_reference(vocab, dtype, draft_probs):
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_triton_interpreter_matches_reference(vocab, dtype, draft_probs, method):
     args = random_batch(6, 4, vocab, dtype=dtype, draft_probs=draft_probs, seed=vocab * 7 + draft_probs)
-    rate, _ = _agreement("triton", args)
+    rate, _ = _agreement("triton", args, method=method)
     assert rate == 1.0
 
 
@@ -54,13 +55,27 @@ def test_triton_interpreter_splits_agree(num_splits):
 @pytest.mark.parametrize("vocab", VOCABS_GPU)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs):
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs, method):
+    if method == "block" and backend == "cuda":
+        pytest.skip("the CUDA kernel implements token verification only (test_block_on_cuda_kernel_raises)")
     batch = 256 if vocab < 100000 else 96
     total, agree = 0, 0.0
     for seed in range(3):
         args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs,
                             seed=1000 * seed + vocab % 997, device="cuda")
-        rate, n = _agreement(backend, args)
+        rate, n = _agreement(backend, args, method=method)
         agree += rate * n
         total += n
     assert agree / total >= 0.999, f"{backend}: {agree / total:.4%} of {total} requests agree"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "cuda" not in gpu_backends(), reason="needs the CUDA kernel on a GPU")
+def test_block_on_cuda_kernel_raises_and_auto_uses_triton():
+    args = random_batch(4, 3, 1000, draft_probs=True, seed=0, device="cuda")
+    with pytest.raises(RuntimeError, match="not implemented in the CUDA kernel"):
+        torch.ops.specdec.rejection_sample(*args, "block")
+    out, num = specdec_kernels.rejection_sample(*args, method="block")  # auto -> triton
+    ref_out, ref_num = specdec_kernels.rejection_sample(*args, method="block", backend="reference")
+    assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu())

@@ -26,24 +26,27 @@ def _joint_counts(first, second, vocab):
 
 
 CASES = {
-    # name: (deterministic drafts, temperature, draft counts)
-    "probabilistic": (False, 1.0, "fixed"),
-    "deterministic": (True, 1.0, "fixed"),
-    "temperature_0.6": (False, 0.6, "fixed"),
-    "temperature_1.7_deterministic": (True, 1.7, "fixed"),
-    "ragged_with_zero_drafts": (False, 1.0, "ragged"),
-    "ragged_deterministic": (True, 0.8, "ragged"),
+    # name: (deterministic drafts, temperature, draft counts, method)
+    "probabilistic": (False, 1.0, "fixed", "token"),
+    "deterministic": (True, 1.0, "fixed", "token"),
+    "temperature_0.6": (False, 0.6, "fixed", "token"),
+    "temperature_1.7_deterministic": (True, 1.7, "fixed", "token"),
+    "ragged_with_zero_drafts": (False, 1.0, "ragged", "token"),
+    "ragged_deterministic": (True, 0.8, "ragged", "token"),
+    "block_probabilistic": (False, 1.0, "fixed", "block"),
+    "block_deterministic": (True, 1.0, "fixed", "block"),
+    "block_temperature_0.6": (False, 0.6, "ragged", "block"),
 }
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_two_tokens_follow_the_target(backend, device, case):
-    deterministic, temperature, layout = CASES[case]
+    deterministic, temperature, layout, method = CASES[case]
     pair = MarkovPair.random(VOCAB, seed=11, mask_token=VOCAB - 1)
     g = torch.Generator().manual_seed(5)
     counts = torch.full((SAMPLES,), 3) if layout == "fixed" else torch.randint(0, 4, (SAMPLES,), generator=g)
-    first, second = first_two_tokens(sampler(backend), pair, SAMPLES, counts, temperature,
+    first, second = first_two_tokens(sampler(backend, method), pair, SAMPLES, counts, temperature,
                                      deterministic, seed=123, device=device)
     law = pair.joint_law(temperature).numpy()
     assert (first < VOCAB - 1).all() and (second < VOCAB - 1).all(), "a masked token was emitted"
@@ -139,3 +142,44 @@ def test_control_theory_detects_a_biased_accept_rule():
     tokens = num_acc.double() + 1
     theory = (1 - 0.8 ** 5) / 0.2
     assert abs(tokens.mean().item() - theory) > 10 * tokens.std().item() / SAMPLES ** 0.5
+
+
+# --- block verification accepts more, never fewer -------------------------------------------
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_block_verification_binary_example(backend, device):
+    """Sun et al. 2024's example: vocabulary {a, b}, draft (2/3, 1/3), target (1/3, 2/3),
+    K = 2. Expected accepted drafts per step: 10/9 token by token, 11/9 with block
+    verification (also by hand from the formulas of docs/ALGORITHM.md §6)."""
+    samples = 40000
+    q = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
+    p = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
+    logits, drafts, cu, probs = chain_batch_iid(q, p, samples, 2, generator=torch.Generator().manual_seed(9),
+                                                device=device)
+    seeds = torch.arange(samples, dtype=torch.int64, device=device)
+    for method, expected in (("token", 10 / 9), ("block", 11 / 9)):
+        _, num = sampler(backend, method)(logits, drafts, cu, probs, None, seeds, None, 2)
+        num = num.cpu().double()
+        se = num.std().item() / samples ** 0.5
+        assert abs(num.mean().item() - expected) < 3 * se, (method, num.mean().item(), expected, se)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_block_verification_never_accepts_fewer(deterministic):
+    """On the same random inputs (Markov pair, K = 4, many seeds), block verification's mean
+    number of accepted drafts is at least token verification's."""
+    pair = MarkovPair.random(VOCAB, seed=11)
+    means = {}
+    for method in ("token", "block"):
+        accepted = []
+
+        def counting(logits, drafts, cu, probs, temp, seeds, offs, k, method=method):
+            out, num = sampler("reference", method)(logits, drafts, cu, probs, temp, seeds, offs, k)
+            if int(offs[0]) == 0:
+                accepted.append(num.double())
+            return out, num
+
+        first_two_tokens(counting, pair, SAMPLES, torch.full((SAMPLES,), 4), 1.0, deterministic, seed=321)
+        means[method] = torch.cat(accepted).mean().item()
+    se = 4 / SAMPLES ** 0.5
+    assert means["block"] > means["token"] - 2 * se, means

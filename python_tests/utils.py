@@ -24,10 +24,10 @@ def gpu_backends() -> list[str]:
     return out
 
 
-def sampler(backend: str):
+def sampler(backend: str, method: str = "token"):
     def run(target_logits, drafts, cu, draft_probs, temperature, seeds, offsets, max_spec_len):
         return specdec_kernels.rejection_sample(target_logits, drafts, cu, draft_probs, temperature,
-                                                seeds, offsets, max_spec_len, backend=backend)
+                                                seeds, offsets, max_spec_len, method, backend=backend)
     return run
 
 

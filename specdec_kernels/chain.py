@@ -20,6 +20,7 @@ def rejection_sample(
     seeds: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
     max_spec_len: int | None = None,
+    method: str = "token",
     *,
     backend: str | None = None,
     validate: bool | None = None,
@@ -52,8 +53,14 @@ def rejection_sample(
     max_spec_len : int or None
         Output width - 1; requests with more drafts use only the first ``max_spec_len``.
         None computes the largest draft count, which synchronizes: pass it on the hot path.
+    method : {"token", "block"}
+        "token": draft by draft (Leviathan et al. 2022). "block": the block verification of
+        Sun et al. 2024, which keeps the target distribution, never accepts fewer drafts in
+        expectation and is optimal (docs/ALGORITHM.md §6). With draft probabilities it reads
+        every draft row, not one per request. Greedy requests are the same in both.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
+        "auto" runs block verification on the Triton kernel: the CUDA kernel has only "token".
     validate : bool or None
         Also check the values (offsets, ids, temperatures, probabilities); synchronizes.
         None = $SPECDEC_VALIDATE == "1".
@@ -71,21 +78,23 @@ def rejection_sample(
     elif max_spec_len is None:
         max_spec_len = 0
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len)
+                                  temperature, seeds, offsets, max_spec_len, method)
     if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
         check_rejection_sample_contents(target_logits, draft_token_ids, cu_num_draft_tokens,
                                         draft_probs, temperature, max_spec_len)
     device = target_logits.device
     backend = resolve_backend(backend, device)
+    if backend == "auto" and method == "block" and device.type == "cuda" and ops.cuda_kernel_built():
+        backend = "triton"  # the CUDA kernel implements token verification only
     if seeds is None:
         seeds = ops.draw_seeds(cu_num_draft_tokens.shape[0] - 1, device)
     args = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
             offsets, max_spec_len)
     if backend == "reference":
-        return rejection_sample_reference(*args)
+        return rejection_sample_reference(*args, method=method)
     if backend == "triton":
-        return ops.triton_call(*args)
-    return torch.ops.specdec.rejection_sample(*args)
+        return ops.triton_call(*args, method)
+    return torch.ops.specdec.rejection_sample(*args, method)
 
 
 def rejection_sample_padded(
@@ -99,6 +108,7 @@ def rejection_sample_padded(
     *,
     backend: str | None = None,
     validate: bool | None = None,
+    method: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` for padded batches: every request has K draft slots.
 
@@ -111,7 +121,7 @@ def rejection_sample_padded(
     num_draft_tokens : Tensor [B] or None
         Drafts actually proposed per request (<= K); slots past it are ignored and the final
         token of such a request comes from its row ``num_draft_tokens[b]``. None = K for all.
-    temperature, seeds, offsets, backend, validate
+    temperature, seeds, offsets, method, backend, validate
         As in ``rejection_sample``.
 
     Returns
@@ -141,4 +151,4 @@ def rejection_sample_padded(
         target_logits.reshape(batch * (k + 1), target_logits.shape[-1]),
         drafts.reshape(batch * k), cu,
         None if draft_probs is None else draft_probs.reshape(batch * k, draft_probs.shape[-1]),
-        temperature, seeds, offsets, k, backend=backend, validate=validate)
+        temperature, seeds, offsets, k, method, backend=backend, validate=validate)

@@ -29,10 +29,15 @@ def check_tensor(name: str, t, *, ndim: int, dtypes, device: torch.device | None
         raise ValueError(f"{name} is on {t.device} but target_logits is on {device}")
 
 
+METHODS = ("token", "block")
+
+
 def check_rejection_sample_inputs(
     target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-    seeds, offsets, max_spec_len,
+    seeds, offsets, max_spec_len, method="token",
 ) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
     device = target_logits.device
     num_rows, vocab = target_logits.shape

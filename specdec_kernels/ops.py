@@ -57,12 +57,12 @@ def inner_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                seeds, offsets, max_spec_len):
+                seeds, offsets, max_spec_len, method="token"):
     """The Triton chain kernel on checked inputs (seeds drawn when absent)."""
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     tensors = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets)
-    return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len)
+    return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len, method=method)
 
 
 def tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
@@ -79,20 +79,20 @@ _lib = torch.library.Library("specdec", "IMPL")
 
 @torch.library.register_fake(REJECTION_SAMPLE)
 def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                           temperature, seeds, offsets, max_spec_len):
+                           temperature, seeds, offsets, max_spec_len, method="token"):
     batch = cu_num_draft_tokens.shape[0] - 1
     out = target_logits.new_empty((batch, max_spec_len + 1), dtype=torch.int32)
     return out, target_logits.new_empty((batch,), dtype=torch.int32)
 
 
 def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                          temperature, seeds, offsets, max_spec_len):
+                          temperature, seeds, offsets, max_spec_len, method="token"):
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len)
+                                  temperature, seeds, offsets, max_spec_len, method)
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     return rejection_sample_reference(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                      temperature, seeds, offsets, max_spec_len)
+                                      temperature, seeds, offsets, max_spec_len, method=method)
 
 
 def _no_gpu_backend(op: str):
@@ -102,13 +102,13 @@ def _no_gpu_backend(op: str):
 
 
 def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len):
+                                  temperature, seeds, offsets, max_spec_len, method="token"):
     if rejection_sample_triton is None:
         _no_gpu_backend(REJECTION_SAMPLE)
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len)
+                                  temperature, seeds, offsets, max_spec_len, method)
     return triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                       seeds, offsets, max_spec_len)
+                       seeds, offsets, max_spec_len, method)
 
 
 @torch.library.register_fake(TREE_REJECTION_SAMPLE)

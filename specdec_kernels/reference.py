@@ -94,8 +94,12 @@ def rejection_sample_reference(
     offsets: torch.Tensor | None,
     max_spec_len: int,
     compute_dtype: torch.dtype = torch.float64,
+    method: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain verification over a ragged batch; arguments as ``torch.ops.specdec.rejection_sample``.
+
+    ``method="token"`` verifies draft by draft (docs/ALGORITHM.md §1); ``method="block"``
+    verifies the block jointly (Sun et al. 2024; docs/ALGORITHM.md §6) with the same streams.
 
     Returns (output_token_ids [B, max_spec_len+1] int32, num_accepted [B] int32).
     Out-of-range row or draft indices (a malformed ``cu_num_draft_tokens``) read as rows with
@@ -157,6 +161,14 @@ def rejection_sample_reference(
     accept_greedy = x == argmax[:, :L]
     accept = torch.where(greedy[:, None], accept_greedy, accept_random) & x_ok
     num_accepted = accept.to(torch.int64).cumprod(-1).sum(-1) if L else torch.zeros(B, dtype=torch.int64, device=device)
+    scale = torch.ones(B, dtype=compute_dtype, device=device)  # P_tau of block verification
+    if method == "block":
+        block_accepted, scale = _block_verify(q, p_rows if draft_probs is not None else None, x, x_ok, n, q_x,
+                                              p_x, u, compute_dtype)
+        num_accepted = torch.where(greedy, num_accepted, block_accepted)
+        scale = torch.where(greedy, 1.0, scale)
+    elif method != "token":
+        raise ValueError(f"method must be 'token' or 'block', got {method!r}")
 
     # The final token comes from row t* = num_accepted.
     t_star = num_accepted
@@ -165,7 +177,7 @@ def rejection_sample_reference(
     x_star = torch.where(rejected, x[b_idx, t_star.clamp(max=max(L - 1, 0))] if L else -1, -1)
     if draft_probs is not None:
         p_star = _rows(draft_probs, cu[:-1] + t_star).to(compute_dtype)
-        residual = torch.where(q_star > 0, (q_star - p_star).clamp(min=0), 0.0)
+        residual = torch.where(q_star > 0, (scale[:, None] * q_star - p_star).clamp(min=0), 0.0)
         residual = torch.nan_to_num(residual, nan=0.0)
         # An invalid draft id (e.g. -1 padding) ends the chain: nothing to subtract, sample q.
         x_star_ok = (x_star >= 0) & (x_star < V)
@@ -190,6 +202,45 @@ def rejection_sample_reference(
     out[:, :L] = torch.where(keep, x, -1)
     out.scatter_(1, t_star[:, None], token[:, None])
     return out.to(torch.int32), num_accepted.to(torch.int32)
+
+
+def _block_verify(q, p_rows, x, x_ok, n, q_x, p_x, u, compute_dtype):
+    """Block verification (Sun et al. 2024): the number of accepted drafts tau and P_tau.
+
+    With 1-based positions i = 1..n': P_0 = 1, P_i = min(1, P_{i-1} q_i(x_i) / p_i(x_i));
+    h_i = R_i / (R_i + 1 - P_i) for i < n' (1 if the denominator is 0), h_n' = P_n', where
+    R_i = sum_x max(P_i q_{i+1}(x) - p_{i+1}(x), 0), or P_i (1 - q_{i+1}(x_{i+1})) for
+    deterministic drafts; tau = the largest i with eta_i < h_i (0 if none), eta_i = the accept
+    uniform of draft i. n' stops at the first invalid draft id (which ends the chain).
+    """
+    B, L = x.shape
+    device = x.device
+    if L == 0:
+        return torch.zeros(B, dtype=torch.int64, device=device), torch.ones(B, dtype=compute_dtype, device=device)
+    invalid = ~x_ok & (torch.arange(L, device=device)[None, :] < n[:, None])
+    n_eff = torch.where(invalid.any(-1), invalid.to(torch.int64).argmax(-1), n)
+    P = torch.ones(B, L + 1, dtype=compute_dtype, device=device)
+    for i in range(L):  # the running joint ratio, division-free where p(x) = 0
+        num = P[:, i] * q_x[:, i]
+        den = p_x[:, i]
+        P[:, i + 1] = torch.where(num >= den, torch.where(num > 0, 1.0, 0.0),
+                                  num / torch.where(den > 0, den, 1.0))
+    pos = torch.arange(1, L + 1, device=device)  # 1-based position i
+    P_i = P[:, 1:]  # [B, L]: P_1 .. P_L
+    R = torch.zeros(B, L, dtype=compute_dtype, device=device)
+    if L > 1:
+        if p_rows is not None:
+            q_next, p_next = q[:, 1:L], p_rows[:, 1:L].to(compute_dtype)
+            w = torch.where(q_next > 0, (P_i[:, :L - 1, None] * q_next - p_next).clamp(min=0), 0.0)
+            R[:, :L - 1] = torch.nan_to_num(w, nan=0.0).sum(-1)
+        else:
+            R[:, :L - 1] = P_i[:, :L - 1] * (1 - q_x[:, 1:L])
+    denominator = R + 1 - P_i
+    h = torch.where(denominator > 0, R / torch.where(denominator > 0, denominator, 1.0), 1.0)
+    h = torch.where(pos[None, :] == n_eff[:, None], P_i, h)
+    accept = (u < h) & (pos[None, :] <= n_eff[:, None])
+    tau = torch.where(accept, pos[None, :], 0).max(-1).values
+    return tau, P.gather(1, tau[:, None]).squeeze(1)
 
 
 def _tree_links(parents: torch.Tensor, cu: torch.Tensor, num_nodes: int):

@@ -110,11 +110,12 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 @triton.jit
 def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row_max, row_sum,
                      seed, offset, node, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
-                     STREAM_SAMPLE: tl.constexpr):
+                     STREAM_SAMPLE: tl.constexpr, scale=1.0):
     """Inverse CDF inside one chunk: the smallest lane with w > 0 and prefix >= u * total.
 
     Weights: q relative to the chunk max with ``excluded`` left out, or (RESIDUAL) the
-    residual max(0, q - p) with q = exp2((l - row_max) k) / row_sum. -1 if the chunk is empty.
+    residual max(0, scale * q - p) with q = exp2((l - row_max) k) / row_sum (scale = P_tau of
+    block verification, 1 otherwise). -1 if the chunk is empty.
     """
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     in_row = (offs < vocab_size) & row_ok & (chunk >= 0)
@@ -122,7 +123,7 @@ def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row
     if RESIDUAL:
         q = tl.where(lg > float("-inf"), tl.exp2((lg - row_max) * k) / row_sum, 0.0)
         p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-        w = tl.where(q > 0.0, tl.maximum(q - p, 0.0), 0.0)
+        w = tl.where(q > 0.0, tl.maximum(scale * q - p, 0.0), 0.0)
         w = tl.where(w == w, w, 0.0)
     else:
         m = tl.max(lg, 0)
@@ -223,7 +224,36 @@ def _request_decision(
     else:
         accept = x_ok & (u * p_x < q_x)
     t_star = tl.min(tl.where(is_draft & (accept == 0), t, n), 0)
-    return t_star, x, row_max, row_sum, argmax
+    return t_star, x, row_max, row_sum, argmax, q_x, p_x, u, x_ok
+
+
+@triton.jit
+def _block_ratios(q_x, p_x, x_ok, n, t):
+    """Block verification's running joint ratio: P_next[t] = P after draft t, i.e.
+    min(1, P_prev q(x_t) / p(x_t)) with P_0 = 1 (division-free where p(x_t) = 0), and n', the
+    drafts up to the first invalid id (which ends the chain)."""
+    n_eff = tl.min(tl.where((t < n) & (x_ok == 0), t, n), 0)
+    p_next = tl.zeros_like(q_x)
+    prev = tl.full([], 1.0, tl.float32)
+    for i in range(0, n_eff):
+        num = prev * _pick(q_x, t, i)
+        den = _pick(p_x, t, i)
+        cur = tl.where(num >= den, tl.where(num > 0.0, 1.0, 0.0), num / tl.where(den > 0.0, den, 1.0))
+        p_next = tl.where(t == i, cur, p_next)
+        prev = cur
+    return p_next, n_eff
+
+
+@triton.jit
+def _block_tau(p_next, residual_mass, u, t, n_eff):
+    """tau = the largest i = t + 1 <= n' with eta_i < h_i, h_i = R_i / (R_i + 1 - P_i)
+    (1 when the denominator is 0), h_n' = P_n'; returns (tau, P_tau)."""
+    den = residual_mass + 1.0 - p_next
+    h = tl.where(den > 0.0, residual_mass / tl.where(den > 0.0, den, 1.0), 1.0)
+    h = tl.where(t + 1 == n_eff, p_next, h)
+    accept = (u < h) & (t + 1 <= n_eff)
+    tau = tl.max(tl.where(accept, t + 1, 0), 0).to(tl.int64)
+    return tau, tl.where(tau == 0, 1.0, _pick(p_next, t, tau - 1))
 
 
 @triton.jit
@@ -249,11 +279,12 @@ def _rejection_sample_kernel(
     draft_probs_ptr, draft_probs_row_stride,
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
-    rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
+    rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr, counter_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
-    num_splits, groups_per_split, residual_splits, residual_groups_per_split, num_groups, num_chunks,
-    units_phase1, units_total,
+    num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
+    num_chunks, units_phase1, units_total,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BLOCK_VERIFY: tl.constexpr,
     ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
@@ -272,9 +303,11 @@ def _rejection_sample_kernel(
         b = row_unit // (max_spec_len + 1)
         t = row_unit % (max_spec_len + 1)
     else:
+        # Residual unit: (request, residual row, split); token mode has one residual row (t*),
+        # block mode one per draft row.
         s_idx = (unit - units_phase1) % residual_splits
-        b = (unit - units_phase1) // residual_splits
-        t = 0
+        b = (unit - units_phase1) // residual_splits // residual_rows
+        t = (unit - units_phase1) // residual_splits % residual_rows
     cu_lo = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_spec_len)
     if HAS_TEMPERATURE:
@@ -350,12 +383,19 @@ def _rejection_sample_kernel(
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits - 1:
                     tl.debug_barrier()
-                    t_star, drafts, row_max, row_sum, argmax = _request_decision(
+                    t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok = _request_decision(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
                         draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
                         num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
                         k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
                     rows = tl.arange(0, ROWS_PAD)
+                    if BLOCK_VERIFY:
+                        if not greedy:
+                            # Point-mass drafts: R_i = P_i (1 - q(x_{i+1})), all scalars; the
+                            # residual at tau is q without x_tau, whatever P_tau.
+                            p_next, n_eff = _block_ratios(q_x, p_x, x_ok, n, rows)
+                            q_following = tl.sum(tl.where(rows[None, :] == rows[:, None] + 1, q_x[None, :], 0.0), 1)
+                            t_star, _p_tau = _block_tau(p_next, p_next * (1.0 - q_following), u, rows, n_eff)
                     token = _pick(argmax, rows, t_star)
                     if not greedy:
                         row = cu_lo + b + t_star
@@ -381,53 +421,89 @@ def _rejection_sample_kernel(
         while seen < need:
             seen = tl.atomic_add(counter_ptr + b, 0, sem="acquire")
         tl.debug_barrier()
-        t_star, drafts, row_max, row_sum, argmax = _request_decision(
+        t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok = _request_decision(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
             draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
             k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
         rows = tl.arange(0, ROWS_PAD)
-        # An invalid draft id at t* (e.g. -1 padding) ends the chain: its row's q sample is final.
-        x_star = _pick(drafts, rows, t_star)
-        needs_residual = (not greedy) & (t_star < n) & (x_star >= 0) & (x_star < vocab_size)
-        m_star = _pick(row_max, rows, t_star)
-        s_star = _pick(row_sum, rows, t_star)
-        row = cu_lo + b + t_star
+        if BLOCK_VERIFY:
+            # Every draft row r < n' gets its residual max(0, P_r q_r - p_r): its mass R_r and
+            # its chunk table (tau is known only once all of them are summed).
+            p_next, n_eff = _block_ratios(q_x, p_x, x_ok, n, rows)
+            work_row = t
+            scale = tl.where(t == 0, 1.0, _pick(p_next, rows, t - 1))
+            does_work = (not greedy) & (t < n_eff)
+        else:
+            # An invalid draft id at t* (e.g. -1 padding) ends the chain: its row's q sample is final.
+            x_star = _pick(drafts, rows, t_star)
+            work_row = t_star
+            scale = tl.full([], 1.0, tl.float32)
+            does_work = (not greedy) & (t_star < n) & (x_star >= 0) & (x_star < vocab_size)
+        m_w = _pick(row_max, rows, work_row)
+        s_w = _pick(row_sum, rows, work_row)
+        row = cu_lo + b + work_row
         row_ok = (row >= 0) & (row < num_rows)
         row_ptr = logits_ptr + row * logits_row_stride
-        p_ptr = draft_probs_ptr + (cu_lo + t_star) * draft_probs_row_stride
-        table_r_row = table_r_ptr + b * num_chunks
-        if needs_residual:
+        p_ptr = draft_probs_ptr + (cu_lo + work_row) * draft_probs_row_stride
+        slot = b * residual_rows + t
+        if does_work:
+            mass = tl.zeros([], tl.float32)
             for grp in range(g_lo, g_hi):
                 chunks = grp * GROUP + chunk_in_group
                 offs = chunks[:, None] * CHUNK + lane
                 in_row = (offs < vocab_size) & row_ok
                 lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=NEG_INF).to(tl.float32))
-                q = tl.where(lg > NEG_INF, tl.exp2((lg - m_star) * k) / s_star, 0.0)
+                q = tl.where(lg > NEG_INF, tl.exp2((lg - m_w) * k) / s_w, 0.0)
                 p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-                r = tl.where(q > 0.0, tl.maximum(q - p, 0.0), 0.0)
+                r = tl.where(q > 0.0, tl.maximum(scale * q - p, 0.0), 0.0)
                 r = tl.where(r == r, r, 0.0)
-                tl.store(table_r_row + chunks, tl.sum(r, 1), mask=chunks < num_chunks)
+                r_c = tl.sum(r, 1)
+                tl.store(table_r_ptr + slot * num_chunks + chunks, r_c, mask=chunks < num_chunks)
+                mass += tl.sum(r_c, 0)
+            tl.store(residual_sum_ptr + slot * residual_splits + s_idx, mass)
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + num_requests + b, 1, sem="acq_rel")
-        if done == residual_splits - 1:
+        if done == residual_rows * residual_splits - 1:
             tl.debug_barrier()
+            needs_residual = does_work
+            res_slot = b * residual_rows
+            if BLOCK_VERIFY:
+                if not greedy:
+                    # R_i (rows 1..n'-1) from the residual units' sums, then tau.
+                    rr = tl.arange(0, ROWS_PAD)[:, None]
+                    ss = tl.arange(0, SPLITS_PAD)[None, :]
+                    sums = tl.load(residual_sum_ptr + (b * residual_rows + rr) * residual_splits + ss,
+                                   mask=(rr < n_eff) & (rr < residual_rows) & (ss < residual_splits),
+                                   other=0.0, cache_modifier=".cg")
+                    row_mass = tl.sum(sums, 1)  # indexed by row r
+                    r_following = tl.sum(tl.where(rows[None, :] == rows[:, None] + 1, row_mass[None, :], 0.0), 1)
+                    t_star, scale = _block_tau(p_next, r_following, u, rows, n_eff)
+                    needs_residual = t_star < n_eff
+                    res_slot = b * residual_rows + t_star
+                    m_w = _pick(row_max, rows, t_star)
+                    s_w = _pick(row_sum, rows, t_star)
+                    row = cu_lo + b + t_star
+                    row_ok = (row >= 0) & (row < num_rows)
+                    row_ptr = logits_ptr + row * logits_row_stride
+                    p_ptr = draft_probs_ptr + (cu_lo + t_star) * draft_probs_row_stride
             token = _pick(argmax, rows, t_star)
             if not greedy:
                 token = tl.full([], -1, tl.int32)
                 if needs_residual:
-                    chunk = _race_winner(table_r_row, table_r_row, num_chunks, m_star, k, seed, offset,
+                    table_r_row = table_r_ptr + res_slot * num_chunks
+                    chunk = _race_winner(table_r_row, table_r_row, num_chunks, m_w, k, seed, offset,
                                          t_star, False, CHUNKS_PAD, STREAM_SAMPLE)
-                    token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_star,
-                                             s_star, seed, offset, t_star, True, CHUNK, STREAM_SAMPLE)
+                    token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_w,
+                                             s_w, seed, offset, t_star, True, CHUNK, STREAM_SAMPLE, scale)
                 if token < 0:
                     # q's own sample of row t*: the bonus, an invalid draft's row, or a residual
                     # with no mass (q == p up to rounding), with the same noise.
                     chunk = _race_winner(table_m_ptr + row * num_chunks, table_w_ptr + row * num_chunks,
-                                         num_chunks, m_star, k, seed, offset, t_star, True, CHUNKS_PAD,
+                                         num_chunks, m_w, k, seed, offset, t_star, True, CHUNKS_PAD,
                                          STREAM_SAMPLE)
-                    token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_star,
-                                             s_star, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE)
+                    token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_w,
+                                             s_w, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE)
             _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_ptr,
                            max_spec_len, ROWS_PAD)
             tl.store(counter_ptr + b, 0)
@@ -483,9 +559,12 @@ def rejection_sample_triton(
     offsets: torch.Tensor | None,
     max_spec_len: int,
     num_splits: int | None = None,
+    method: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel. Inputs are assumed validated (``specdec_kernels.ops``);
     the vocabulary dim of ``target_logits`` and ``draft_probs`` must be contiguous."""
+    if method not in ("token", "block"):
+        raise ValueError(f"method must be 'token' or 'block', got {method!r}")
     device = target_logits.device
     R, V = target_logits.shape
     B = cu_num_draft_tokens.shape[0] - 1
@@ -505,19 +584,24 @@ def rejection_sample_triton(
     # The residual reads one row per request: split it so the phase keeps the GPU busy too.
     residual_groups_per_split = triton.cdiv(num_groups, max(1, min(num_groups, triton.cdiv(_target_programs(device), B))))
     residual_splits = triton.cdiv(num_groups, residual_groups_per_split)
+    # Block verification with draft probabilities needs every draft row's residual.
+    residual_rows = max(L, 1) if method == "block" else 1
     units_phase1 = B * (L + 1) * num_splits
-    units_phase2 = B * residual_splits if has_draft_probs else 0
+    units_phase2 = B * residual_rows * residual_splits if has_draft_probs else 0
     units_total = units_phase1 + units_phase2
     # Records: (max, sum) per unit in f32, argmax per unit in i32; chunk tables (max, total)
-    # per target row and the residual table per request.
+    # per target row; residual tables and residual masses per (request, residual row).
     n_table = R * num_chunks
+    n_residual = B * residual_rows * num_chunks
     f32, i32, counters = _workspace(
-        device, 2 * units_phase1 + 2 * n_table + B * num_chunks, units_phase1, 2 * B + 2)
+        device, 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits,
+        units_phase1, 2 * B + 2)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
     table_w = f32[2 * units_phase1 + n_table:2 * units_phase1 + 2 * n_table]
-    table_r = f32[2 * units_phase1 + 2 * n_table:]
+    table_r = f32[2 * units_phase1 + 2 * n_table:2 * units_phase1 + 2 * n_table + n_residual]
+    residual_sum = f32[2 * units_phase1 + 2 * n_table + n_residual:]
     _rejection_sample_kernel[(units_total,)](
         target_logits, target_logits.stride(0),
         draft_token_ids, draft_token_ids.shape[0],
@@ -528,13 +612,14 @@ def rejection_sample_triton(
         seeds,
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
-        rec_m, rec_s, i32, table_m, table_w, table_r, counters,
+        rec_m, rec_s, i32, table_m, table_w, table_r, residual_sum, counters,
         B, R, V, L,
-        num_splits, groups_per_split, residual_splits, residual_groups_per_split, num_groups, num_chunks,
-        units_phase1, units_total,
+        num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
+        num_chunks, units_phase1, units_total,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
         HAS_OFFSETS=offsets is not None,
+        BLOCK_VERIFY=method == "block",
         ROWS_PAD=triton.next_power_of_2(L + 1),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         CHUNKS_PAD=triton.next_power_of_2(num_chunks),
