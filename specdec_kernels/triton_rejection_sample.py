@@ -467,7 +467,7 @@ def _rejection_sample_kernel(
         if done == residual_rows * residual_splits - 1:
             tl.debug_barrier()
             needs_residual = does_work
-            res_slot = b * residual_rows
+            res_slot = (b * residual_rows).to(tl.int64)  # the block branch adds the int64 t_star
             if BLOCK_VERIFY:
                 if not greedy:
                     # R_i (rows 1..n'-1) from the residual units' sums, then tau.

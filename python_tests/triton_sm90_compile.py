@@ -1,0 +1,112 @@
+"""Compile our Triton kernels for sm_90 on a machine without a GPU.
+
+The CPU test suite runs the kernels in Triton's interpreter, which does not type-check the way
+the compiler does (an ``if`` whose branches give a variable different integer types compiles
+in the interpreter and fails on the GPU). This script compiles each kernel with
+``triton.compile`` for an sm_90 target -- front end, MLIR passes and PTX, no GPU needed --
+over its constexpr variants. ``test_triton_compile.py`` runs it in a subprocess, because the
+tests' process has TRITON_INTERPRET=1 set, under which ``triton.jit`` returns interpreted
+functions.
+
+    python python_tests/triton_sm90_compile.py chain|tree
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+
+KERNELS = {
+    "chain": ("specdec_kernels.triton_rejection_sample", "_rejection_sample_kernel"),
+    "tree": ("specdec_kernels.triton_tree_rejection_sample", "_tree_rejection_sample_kernel"),
+}
+LOGITS_TYPES = ("*bf16", "*fp16", "*fp32")
+
+
+def pointer_type(name: str, logits_type: str, probs_type: str) -> str:
+    """The element type of a ``*_ptr`` argument, by its name (the launchers' conventions)."""
+    if name.startswith("logits"):
+        return logits_type
+    if name.startswith("draft_probs"):
+        return probs_type
+    if name.startswith(("seeds", "offsets", "draft_ids", "tokens")):
+        return "*i64"
+    if name.startswith(("temperature", "top_p", "min_p", "rec_m", "rec_s", "table", "residual_sum")):
+        return "*fp32"
+    return "*i32"
+
+
+def constexpr_value(module, name: str):
+    if hasattr(module, name):
+        return getattr(module, name)
+    if name == "CHUNK":
+        return module.SAMPLE_CHUNK
+    if name == "CHUNKS_PAD":
+        return 512
+    if name.endswith("_PAD"):
+        return 8
+    raise KeyError(f"no value for constexpr {name}: add it to triton_sm90_compile.py")
+
+
+def flags(names: list[str]) -> list[str]:
+    """Boolean constexprs: HAS_* switches and *_VERIFY modes."""
+    return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY")]
+
+
+def variants(flag_names: list[str]):
+    """All flags off, all on, and each one alone on and alone off, with each logits dtype on the
+    all-on variant: every branch compiled without the full cross product."""
+    seen = set()
+    base = [dict.fromkeys(flag_names, False), dict.fromkeys(flag_names, True)]
+    for name in flag_names:
+        base.append({n: n == name for n in flag_names})
+        base.append({n: n != name for n in flag_names})
+    for setting, logits_type in itertools.chain(((s, "*bf16") for s in base),
+                                                ((base[1], t) for t in LOGITS_TYPES)):
+        key = (tuple(sorted(setting.items())), logits_type)
+        if key not in seen:
+            seen.add(key)
+            yield setting, logits_type
+
+
+def compile_kernel(which: str) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module(KERNELS[which][0])
+    fn = getattr(module, KERNELS[which][1])
+    names = list(fn.arg_names)
+    constexprs = [p.name for p in fn.params if p.is_constexpr]
+    count = 0
+    for setting, logits_type in variants(flags(constexprs)):
+        values = {n: setting.get(n, None) for n in constexprs}
+        for n in constexprs:
+            if values[n] is None:
+                values[n] = constexpr_value(module, n)
+        probs_type = "*fp32" if logits_type != "*fp16" else "*fp16"
+        signature = {}
+        for n in names:
+            if n in values:
+                signature[n] = "constexpr"
+            elif n.endswith("_ptr"):
+                signature[n] = pointer_type(n, logits_type, probs_type)
+            else:
+                signature[n] = "i32"
+        source = ASTSource(fn=fn, signature=signature,
+                           constexprs={(names.index(n),): v for n, v in values.items()})
+        try:
+            triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": getattr(module, "NUM_WARPS", 4)})
+        except Exception as error:  # report the variant, then fail
+            print(f"FAILED {which} {logits_type} {setting}: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
+        count += 1
+    print(f"compiled {which}: {count} variants for sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(compile_kernel(sys.argv[1]))
