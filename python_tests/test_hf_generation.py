@@ -7,6 +7,8 @@ after every step, seeds make requests reproducible whatever the batch.
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -180,8 +182,10 @@ def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def fresh_cache(model, tokens):
     """The cache of one forward over ``tokens`` from scratch."""
     cache = DynamicCache(config=model.config)
+    # transformers 5.2x renamed past_key_values to cache; older versions ignore an unknown ``cache``.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([tokens]), use_cache=True, **{name: cache})
     return cache
 
 

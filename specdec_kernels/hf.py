@@ -137,6 +137,10 @@ class CachedCausalLM:
         self._logits_kwarg = next(
             (name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
         self._cache_takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
+        probe = DynamicCache(config=model.config) if self._cache_takes_config else None
+        sliding = getattr(probe, "is_sliding", None)
+        self._has_sliding_layers = (any(sliding) if isinstance(sliding, (list, tuple))
+                                    else bool(getattr(model.config, "sliding_window", None)))
         self._caches: dict[int, object] = {}
         self._num_cached: dict[int, int] = {}
         self._chain_len: dict[int, int] = {}
@@ -165,13 +169,16 @@ class CachedCausalLM:
         return column - 1 if column < chain_len else self._tree_parents[request][column - chain_len]
 
     def _new_cache(self):
+        if self._has_sliding_layers:
+            # Sliding-window cache layers drop (or, in some transformers 5.x, mis-size after a crop)
+            # what falls out of the window, which a rollback needs: keep every layer's full history
+            # instead. The model still applies its window through the attention mask (checked to
+            # give the same logits on transformers 5.17 and 5.24).
+            return DynamicCache()
         cache = DynamicCache(config=self.model.config) if self._cache_takes_config else DynamicCache()
         if getattr(cache, "is_croppable", True) is False:
             raise ValueError(f"{type(self.model).__name__}'s cache cannot be cropped, so rejected drafts "
                              "cannot be rolled back: speculative decoding needs attention-only caches")
-        if hasattr(cache, "activate_past_recording"):
-            # Sliding-window layers (transformers >= 5) keep the states needed to crop.
-            cache.activate_past_recording()
         return cache
 
     def _check_tree_inputs_supported(self, cache) -> None:
@@ -180,8 +187,7 @@ class CachedCausalLM:
             raise ValueError(f"tree inputs need a 4D attention mask, which {type(self.model).__name__}'s "
                              f"attn_implementation={implementation!r} does not apply as given: load the model "
                              "with attn_implementation='sdpa' or 'eager'")
-        sliding = getattr(cache, "is_sliding", None)
-        if any(sliding) if isinstance(sliding, (list, tuple)) else getattr(self.model.config, "sliding_window", None):
+        if self._has_sliding_layers:
             raise ValueError(f"{type(self.model).__name__} has sliding-window attention layers: a tree attention "
                              "mask would replace their window, so tree inputs are not supported (use chain mode)")
 
