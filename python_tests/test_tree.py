@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import specdec_kernels
+from specdec_kernels import ops
 from specdec_kernels.synthetic import MarkovPair, first_tokens_tree
 from utils import HAS_CUDA, TRITON_ON_CPU, chi_square_pvalue, gpu_backends
 
@@ -16,8 +17,10 @@ SHAPES = {
     "binary_depth2": [-1, 0, 0, 1, 1, 2, 2],
     "ternary_root": [-1, 0, 0, 0, 1, 2, 4],
 }
-DIST_BACKENDS = [("reference", "cpu")] + ([(b, "cuda") for b in gpu_backends()] if HAS_CUDA else [])
-BACKENDS = DIST_BACKENDS + ([("triton", "cpu")] if (TRITON_ON_CPU and not HAS_CUDA and "triton" in gpu_backends()) else [])
+TREE_GPU_BACKENDS = gpu_backends(ops.TREE_REJECTION_SAMPLE)  # "cuda" where the CUDA tree kernel was built
+DIST_BACKENDS = [("reference", "cpu")] + ([(b, "cuda") for b in TREE_GPU_BACKENDS] if HAS_CUDA else [])
+BACKENDS = DIST_BACKENDS + ([("triton", "cpu")] if (TRITON_ON_CPU and not HAS_CUDA and "triton" in TREE_GPU_BACKENDS)
+                            else [])
 
 
 def tree_sampler(backend):

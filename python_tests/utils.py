@@ -14,12 +14,12 @@ HAS_CUDA = torch.cuda.is_available()
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gpu_backends() -> list[str]:
-    """GPU backends this install can run (the CUDA kernel only where it was built)."""
+def gpu_backends(op: str = ops.REJECTION_SAMPLE) -> list[str]:
+    """GPU backends of ``op`` this install can run (a CUDA kernel only where it was built)."""
     out = []
     if ops.rejection_sample_triton is not None:
         out.append("triton")
-    if ops.cuda_kernel_built():
+    if ops.cuda_kernel_built(op):
         out.append("cuda")
     return out
 
