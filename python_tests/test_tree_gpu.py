@@ -23,50 +23,56 @@ def tree_batch(batch, max_nodes, vocab, *, draft_probs, seed, dtype=torch.float3
                greedy_share=0.3, boost=3.0, max_depth=None):
     """A ragged batch of random draft trees whose walks go several levels deep.
 
-    Each request gets 1..max_nodes nodes with random parents (parent < child). Deterministic
-    drafts: each node's children carry distinct tokens, made likely under the parent's row (a
-    logit boost). Draft probabilities: the children are drawn i.i.d. from the parent's draft
-    row, a perturbed softmax of its target row. Returns the op's positional arguments.
+    Each request gets 1..max_nodes nodes with random parents (parent < child); about 5% get
+    none. Deterministic drafts: a node's children are the top tokens of a perturbed copy of the
+    parent's row (distinct while the vocabulary allows), boosted in the parent's row so that
+    they are often accepted. Draft probabilities: the children are drawn i.i.d. from the
+    parent's draft row, a perturbed softmax of its target row. The tree structure comes from a
+    CPU generator, the rows from one on ``device``. Returns the op's positional arguments.
     """
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(1, max_nodes + 1, (batch,), generator=g)
-    counts[torch.rand(batch, generator=g) < 0.05] = 0  # a few requests without nodes
-    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    counts[torch.rand(batch, generator=g) < 0.05] = 0
+    cu = torch.zeros(batch + 1, dtype=torch.int64)
     cu[1:] = counts.cumsum(0)
     n = int(cu[-1])
-    logits = torch.randn(n, vocab, generator=g) * 2
-    parents = torch.full((n,), -1, dtype=torch.int32)
-    tokens = torch.zeros(n, dtype=torch.int64)
+    start = torch.repeat_interleave(cu[:-1], counts)
+    local = torch.arange(n) - start
+    parents = torch.where(local > 0, (torch.rand(n, generator=g) * local).long(), -1)
+    depth = torch.zeros(n, dtype=torch.long)
+    rank = torch.zeros(n, dtype=torch.long)  # a node's index among its siblings
+    children = {}
+    for i in range(n):
+        if local[i] > 0:
+            key = int(start[i] + parents[i])
+            depth[i] = depth[key] + 1
+            rank[i] = children.get(key, 0)
+            children[key] = int(rank[i]) + 1
+    parent_row = torch.where(local > 0, start + parents, torch.arange(n)).to(device)
+    child = (local > 0).to(device)
+    gd = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(n, vocab, device=device, generator=gd) * 2
+    perturbed = logits + torch.randn(n, vocab, device=device, generator=gd)
     probs = None
-    if draft_probs:
-        probs = torch.softmax(logits + torch.randn(n, vocab, generator=g), -1)
-    depth = torch.zeros(n, dtype=torch.int64)
-    for b in range(batch):
-        s = int(cu[b])
-        used = {}
-        for j in range(1, int(counts[b])):
-            par = int(torch.randint(0, j, (1,), generator=g))
-            parents[s + j] = par
-            depth[s + j] = depth[s + par] + 1
-            if draft_probs:
-                tokens[s + j] = int(torch.multinomial(probs[s + par], 1, generator=g))
-            else:
-                seen = used.setdefault(par, set())
-                tok = int(torch.randint(0, vocab, (1,), generator=g))
-                while tok in seen and len(seen) < vocab:
-                    tok = (tok + 1) % vocab
-                seen.add(tok)
-                tokens[s + j] = tok
-                logits[s + par, tok] += boost
+    if n == 0:
+        tokens = torch.zeros(0, dtype=torch.int64, device=device)
+    elif draft_probs:
+        probs = torch.softmax(perturbed, -1)
+        tokens = torch.multinomial(probs[parent_row], 1, generator=gd).squeeze(1)
+    else:
+        kmax = min(int(rank.max()) + 1, vocab)
+        top = perturbed.topk(kmax, -1).indices
+        tokens = top[parent_row, (rank % kmax).to(device)]
+        logits.index_put_((parent_row[child], tokens[child]), torch.full_like(tokens[child], boost, dtype=logits.dtype),
+                          accumulate=True)
     temperature = torch.rand(batch, generator=g) * 1.5 + 0.2
     temperature[torch.rand(batch, generator=g) < greedy_share] = 0.0
     seeds = torch.randint(-(2**62), 2**62, (batch,), generator=g)
     offsets = torch.randint(0, 2**40, (batch,), generator=g)
     if max_depth is None:
         max_depth = int(depth.max()) if n else 0
-    return (logits.to(dtype).to(device), tokens.to(device), parents.to(device), cu.to(device),
-            None if probs is None else probs.to(device), temperature.to(device), seeds.to(device),
-            offsets.to(device), max_depth)
+    return (logits.to(dtype), tokens, parents.to(torch.int32).to(device), cu.to(torch.int32).to(device),
+            probs, temperature.to(device), seeds.to(device), offsets.to(device), max_depth)
 
 
 def check_tree_outputs(out, nodes, num, args):
@@ -104,11 +110,11 @@ def agreement(backend, args):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("vocab", [7, 32000, 128256, 151936])
+@pytest.mark.parametrize("vocab", [7, 32000, 151936])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("draft_probs", [False, True])
 def test_tree_gpu_matches_reference(backend, vocab, dtype, draft_probs):
-    batch = 96 if vocab < 100000 else 40
+    batch = 64 if vocab < 100000 else 32
     total, agree = 0, 0.0
     for seed in range(3):
         args = tree_batch(batch, 16, vocab, draft_probs=draft_probs, dtype=DTYPES[dtype],
