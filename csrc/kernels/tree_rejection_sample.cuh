@@ -542,6 +542,7 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
 // Writes the outputs of request b if it has no node (cu'[b+1] == cu'[b]).
 __device__ inline void empty_request_unit(const TreeRejectionSampleParams& p, RtShared& sm, int b) {
   long long lo = 0, hi = 0;  // max(0, cu[0..b]) and max(0, cu[0..b+1])
+#pragma unroll 4
   for (int i = threadIdx.x; i <= b + 1; i += kRtThreads) {
     const long long v = load_index(p.cu_num_nodes, p.cu_int64, i);
     if (i <= b && v > lo) lo = v;
