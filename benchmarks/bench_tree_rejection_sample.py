@@ -49,8 +49,9 @@ def tree_depth(parents: list[int]) -> int:
 
 def make_inputs(batch, parents, vocab, dtype, draft_probs, greedy, seed):
     """B copies of one tree shape with random target rows. Deterministic drafts: each node's
-    children are the top tokens of a perturbed copy of its row (distinct, likely under the
-    target); draft probabilities: the children are drawn from the perturbed softmax."""
+    children are the top tokens of a perturbed copy of its row (distinct), boosted in the
+    target row so that walks go deep; draft probabilities: the children are drawn from the
+    perturbed softmax."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = len(parents)
     total = batch * n
@@ -70,6 +71,10 @@ def make_inputs(batch, parents, vocab, dtype, draft_probs, greedy, seed):
         kmax = int(rank.max()) + 1
         top = perturbed.topk(kmax, -1).indices
         tokens = top[parent_row, rank.to("cuda").repeat(batch)]
+        # A good drafter's children are likely under the target: boost them in the parent row.
+        child = (local_parent >= 0).repeat(batch)
+        logits.index_put_((parent_row[child], tokens[child]), torch.full_like(tokens[child], 4, dtype=logits.dtype),
+                          accumulate=True)
     return dict(
         target_logits=logits.to(dtype),
         tokens=tokens,
