@@ -10,14 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specdec_kernels
+from specdec_kernels import ops
 from utils import HAS_CUDA, TRITON_ON_CPU, check_invariants, gpu_backends
 
 if HAS_CUDA:
     FUSED = [(b, "cuda") for b in gpu_backends()]
+    FUSED_TREE = [(b, "cuda") for b in gpu_backends(ops.TREE_REJECTION_SAMPLE)]
 elif TRITON_ON_CPU and "triton" in gpu_backends():
-    FUSED = [("triton", "cpu")]
+    FUSED = FUSED_TREE = [("triton", "cpu")]
 else:
-    FUSED = []
+    FUSED = FUSED_TREE = []
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -174,15 +176,13 @@ def tree_batches(draw):
     return (logits.to(dtype), tokens, parents, cu, probs, temperature, seeds, None, max_depth)
 
 
-@pytest.mark.skipif(not FUSED or FUSED[0][0] != "triton" and not HAS_CUDA, reason="no fused tree backend here")
-@pytest.mark.parametrize("device", ["cuda" if HAS_CUDA else "cpu"])
+@pytest.mark.skipif(not FUSED_TREE, reason="no fused tree backend here (a GPU, or Triton with TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("backend,device", FUSED_TREE)
 @FUZZ
 @given(args=tree_batches())
-def test_tree_fuzz_triton_matches_reference(device, args):
-    if not (HAS_CUDA or TRITON_ON_CPU):
-        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+def test_tree_fuzz_fused_matches_reference(backend, device, args):
     ref = specdec_kernels.tree_rejection_sample(*args, backend="reference")
-    got = specdec_kernels.tree_rejection_sample(*_to(args, device), backend="triton")
+    got = specdec_kernels.tree_rejection_sample(*_to(args, device), backend=backend)
     for r, o in zip(ref, got):
         assert torch.equal(r, o.cpu())
     out, nodes, num = ref

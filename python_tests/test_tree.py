@@ -17,9 +17,10 @@ SHAPES = {
     "binary_depth2": [-1, 0, 0, 1, 1, 2, 2],
     "ternary_root": [-1, 0, 0, 0, 1, 2, 4],
 }
-TREE_GPU_BACKENDS = gpu_backends(ops.TREE_REJECTION_SAMPLE)
+TREE_GPU_BACKENDS = gpu_backends(ops.TREE_REJECTION_SAMPLE)  # "cuda" where the CUDA tree kernel was built
 DIST_BACKENDS = [("reference", "cpu")] + ([(b, "cuda") for b in TREE_GPU_BACKENDS] if HAS_CUDA else [])
-BACKENDS = DIST_BACKENDS + ([("triton", "cpu")] if (TRITON_ON_CPU and not HAS_CUDA and "triton" in TREE_GPU_BACKENDS) else [])
+BACKENDS = DIST_BACKENDS + ([("triton", "cpu")] if (TRITON_ON_CPU and not HAS_CUDA and "triton" in TREE_GPU_BACKENDS)
+                            else [])
 
 
 def tree_sampler(backend):

@@ -15,7 +15,7 @@ TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gpu_backends(op: str = ops.REJECTION_SAMPLE) -> list[str]:
-    """GPU backends of ``op`` this install can run (its CUDA kernel only where it was built)."""
+    """GPU backends of ``op`` this install can run (a CUDA kernel only where it was built)."""
     out = []
     if ops.rejection_sample_triton is not None:
         out.append("triton")

@@ -28,8 +28,6 @@ def available_backends(op: str = ops.REJECTION_SAMPLE) -> dict[str, str]:
         status["triton"] = "available"
     if ops.cuda_kernel_built(op):
         status["cuda"] = "available"
-    elif op == ops.TREE_REJECTION_SAMPLE:
-        status["cuda"] = "not written yet: the tree op runs the Triton kernel on CUDA tensors"
     else:
         status["cuda"] = ("not built (specdec_kernels._C was compiled without CUDA: install with a CUDA "
                           "build of torch and the CUDA toolkit, without SPECDEC_SKIP_CUDA=1)")

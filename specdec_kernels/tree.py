@@ -52,8 +52,8 @@ def tree_rejection_sample(
         Output width - 1; the walk never descends deeper. None = the largest node count - 1,
         which synchronizes: pass it on the hot path.
     backend : {"auto", "cuda", "triton", "reference"} or None
-        None = $SPECDEC_BACKEND or "auto". (The tree op has no CUDA C++ kernel yet: on CUDA
-        tensors "auto" runs the Triton kernel.)
+        None = $SPECDEC_BACKEND or "auto" (on CUDA tensors: the CUDA C++ kernel when it was
+        built, else the Triton kernel).
     validate : bool or None
         Also check the values (``tree_utils.check_tree``: offsets, root and parent links, ids,
         distinct siblings for deterministic drafts, depth <= max_depth; temperatures and

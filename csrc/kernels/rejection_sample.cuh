@@ -793,7 +793,7 @@ __device__ __forceinline__ RowStats combine_row_records(const RsSplitRecord* rec
 // request in sm.rq (written before a barrier). Every warp takes rows t = warp, warp + 8, ...,
 // combines their records and runs their accept tests with the draft fields of split 0; it
 // stops at its first rejection, and t* is the least such row over warps.
-__device__ void decide_request(const RejectionSampleParams& p, int b, RsShared& sm) {
+__device__ inline void decide_request(const RejectionSampleParams& p, int b, RsShared& sm) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) sm.t_star = INT_MAX;

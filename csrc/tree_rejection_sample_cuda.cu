@@ -1,0 +1,304 @@
+// Torch binding of the fused CUDA kernel behind torch.ops.specdec.tree_rejection_sample (the
+// kernel itself is torch-free: csrc/kernels/tree_rejection_sample.cuh). It checks the inputs,
+// picks the work decomposition, keeps a cached per-device workspace and makes exactly one
+// launch (plus one at::randint when seeds are absent), without synchronizing. Same structure
+// as rejection_sample_cuda.cu (the chain op's binding); the workspaces are separate.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "kernels/tree_rejection_sample.cuh"
+
+namespace {
+
+using specdec::NoDraftProbs;
+using specdec::TreeRejectionSampleParams;
+using specdec::TreeRejectionSamplePlan;
+
+constexpr const char* kOp = "specdec.tree_rejection_sample (cuda)";
+
+bool is_logit_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+bool is_index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+void check_device(const char* name, const at::Tensor& t, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, kOp, ": ", name, " is on ", t.device(), " but target_logits is on ", device);
+}
+
+// The kernel needs unit stride along the vocabulary (any row stride).
+at::Tensor inner_contiguous(const at::Tensor& t) { return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous(); }
+
+// 16-byte aligned base and row stride: every 8-entry segment of a row can be a 16-byte load
+// (else rows are read element by element; e.g. V * sizeof(T) not a multiple of 16).
+bool rows_vectorizable(const at::Tensor& t) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  return addr % 16 == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
+}
+
+// The workspace of one device: counters (zero between calls: each request's finalizer resets
+// its own) and records (always written before they are read). It only grows; the buffers it
+// replaces stay alive, since CUDA graphs captured earlier keep using them.
+struct Workspace {
+  at::Tensor counters;
+  at::Tensor records;
+};
+
+std::mutex& workspace_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Leaked on purpose: tensors must not be freed by static destructors after CUDA shut down.
+std::vector<Workspace>& workspaces() {
+  static auto* cache = new std::vector<Workspace>();
+  return *cache;
+}
+
+std::vector<at::Tensor>& retired_buffers() {
+  static auto* retired = new std::vector<at::Tensor>();
+  return *retired;
+}
+
+void check_not_capturing() {
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, kOp,
+              ": the cached workspace must grow while a CUDA graph is being captured; "
+              "call the op once eagerly with the largest batch before capturing");
+}
+
+// Counters (int32) and record bytes of at least the given sizes on `device`.
+std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_counters, int64_t record_bytes) {
+  std::lock_guard<std::mutex> lock(workspace_mutex());
+  auto& cache = workspaces();
+  const auto index = static_cast<size_t>(device.index());
+  if (cache.size() <= index) cache.resize(index + 1);
+  Workspace& ws = cache[index];
+  if (!ws.counters.defined() || ws.counters.numel() < num_counters) {
+    check_not_capturing();
+    const int64_t old = ws.counters.defined() ? ws.counters.numel() : 0;
+    if (ws.counters.defined()) retired_buffers().push_back(ws.counters);
+    ws.counters = at::zeros({std::max<int64_t>({num_counters, 2 * old, 4096})},
+                            at::TensorOptions().dtype(at::kInt).device(device));
+  }
+  if (!ws.records.defined() || ws.records.numel() < record_bytes) {
+    check_not_capturing();
+    const int64_t old = ws.records.defined() ? ws.records.numel() : 0;
+    if (ws.records.defined()) retired_buffers().push_back(ws.records);
+    ws.records = at::empty({std::max<int64_t>({record_bytes, 2 * old, int64_t{1} << 20})},
+                           at::TensorOptions().dtype(at::kByte).device(device));
+  }
+  return {ws.counters.data_ptr<int32_t>(), ws.records.data_ptr<uint8_t>()};
+}
+
+// CTAs of an instance the current device runs at once (SMs x resident CTAs per SM, after
+// raising the instance's shared-memory limit), cached per device.
+template <typename T, typename P>
+int64_t concurrent_ctas(int device_index) {
+  static std::mutex mutex;
+  static std::vector<int64_t> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto index = static_cast<size_t>(device_index);
+  if (cache.size() <= index) cache.resize(index + 1, 0);
+  if (cache[index] == 0) {
+    int blocks = 0, sms = 0;
+    const cudaError_t prepared = specdec::tree_rejection_sample_prepare<T, P>(&blocks);  // (no template commas in the macro)
+    C10_CUDA_CHECK(prepared);
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
+    cache[index] = int64_t{std::max(blocks, 1)} * std::max(sms, 1);
+  }
+  return cache[index];
+}
+
+int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+struct Call {
+  at::Tensor logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets;
+  int64_t num_requests, max_depth;
+  at::Tensor out_tokens, out_nodes, num_accepted;
+};
+
+template <typename T, typename P>
+void launch(const Call& call) {
+  constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
+  const at::Device device = call.logits.device();
+  const int64_t num_nodes = call.logits.size(0);
+  const int64_t vocab = call.logits.size(1);
+  const TreeRejectionSamplePlan plan = specdec::plan_tree_rejection_sample(
+      num_nodes, call.num_requests, vocab, concurrent_ctas<T, P>(device.index()));
+  TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
+              plan.units_total, " work units, more than one launch can have (2^31 - 1)");
+
+  // Split records, node records, chunk tables (each 256-byte aligned).
+  const int64_t node_offset = align256(plan.num_split_records * int64_t{sizeof(specdec::RtSplitRecord)});
+  const int64_t table_offset = node_offset + align256(num_nodes * int64_t{sizeof(specdec::RtNodeRecord)});
+  const int64_t record_bytes = table_offset + plan.num_table_entries * int64_t{sizeof(float2)};
+  const auto [counters, records] = workspace(device, call.num_requests, record_bytes);
+
+  TreeRejectionSampleParams p{};
+  p.target_logits = call.logits.data_ptr();
+  p.logits_row_stride = call.logits.stride(0);
+  p.logits_vectorized = rows_vectorizable(call.logits);
+  p.tokens = call.tokens.data_ptr();
+  p.tokens_int64 = call.tokens.scalar_type() == at::kLong;
+  p.parents = call.parents.data_ptr();
+  p.parents_int64 = call.parents.scalar_type() == at::kLong;
+  p.cu_num_nodes = call.cu.data_ptr();
+  p.cu_int64 = call.cu.scalar_type() == at::kLong;
+  if constexpr (kHasDraftProbs) {
+    p.draft_probs = call.draft_probs.data_ptr();
+    p.draft_probs_row_stride = call.draft_probs.stride(0);
+    p.probs_vectorized = rows_vectorizable(call.draft_probs);
+  }
+  p.temperature_dtype = specdec::kRsTemperatureNone;
+  if (call.temperature.defined()) {
+    p.temperature = call.temperature.data_ptr();
+    switch (call.temperature.scalar_type()) {
+      case at::kFloat: p.temperature_dtype = specdec::kRsTemperatureFloat32; break;
+      case at::kDouble: p.temperature_dtype = specdec::kRsTemperatureFloat64; break;
+      case at::kBFloat16: p.temperature_dtype = specdec::kRsTemperatureBFloat16; break;
+      default: p.temperature_dtype = specdec::kRsTemperatureFloat16; break;
+    }
+  }
+  p.seeds = call.seeds.data_ptr();
+  p.seeds_int64 = call.seeds.scalar_type() == at::kLong;
+  if (call.offsets.defined()) {
+    p.offsets = call.offsets.data_ptr();
+    p.offsets_int64 = call.offsets.scalar_type() == at::kLong;
+  }
+  p.output_token_ids = call.out_tokens.data_ptr<int32_t>();
+  p.accepted_nodes = call.out_nodes.data_ptr<int32_t>();
+  p.num_accepted = call.num_accepted.data_ptr<int32_t>();
+  p.counters = counters;
+  p.split_records = reinterpret_cast<specdec::RtSplitRecord*>(records);
+  p.node_records = reinterpret_cast<specdec::RtNodeRecord*>(records + node_offset);
+  p.chunk_tables = reinterpret_cast<float2*>(records + table_offset);
+  p.num_nodes = num_nodes;
+  p.vocab_size = static_cast<int32_t>(vocab);
+  p.num_requests = static_cast<int32_t>(call.num_requests);
+  p.max_depth = static_cast<int32_t>(call.max_depth);
+  p.plan = plan;
+
+  specdec::launch_tree_rejection_sample<T, P>(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_for_probs(const Call& call) {
+  if (!call.draft_probs.defined()) return launch<T, NoDraftProbs>(call);
+  switch (call.draft_probs.scalar_type()) {
+    case at::kFloat: return launch<T, float>(call);
+    case at::kBFloat16: return launch<T, __nv_bfloat16>(call);
+    default: return launch<T, __half>(call);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
+    const at::Tensor& target_logits, const at::Tensor& tokens, const at::Tensor& parents,
+    const at::Tensor& cu_num_nodes, const std::optional<at::Tensor>& draft_probs,
+    const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seeds,
+    const std::optional<at::Tensor>& offsets, int64_t max_depth) {
+  TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
+  TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
+              ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
+  TORCH_CHECK(target_logits.is_cuda(), kOp, ": target_logits must be a CUDA tensor, got one on ",
+              target_logits.device());
+  const at::Device device = target_logits.device();
+  const int64_t num_nodes = target_logits.size(0);
+  const int64_t vocab = target_logits.size(1);
+  TORCH_CHECK(vocab >= 1, kOp, ": target_logits has an empty vocabulary dimension");
+  TORCH_CHECK(vocab <= specdec::kRtMaxVocab, kOp, ": target_logits has a vocabulary of ", vocab,
+              " entries, more than the kernel supports (", specdec::kRtMaxVocab, ")");
+  // Local node indices are int32 in the kernel (and 24-bit Philox node fields, as in the reference).
+  TORCH_CHECK(num_nodes < (int64_t{1} << 31) - 64, kOp, ": too many nodes (", num_nodes, ")");
+
+  for (const auto& [name, t] : {std::make_pair("tokens", &tokens), std::make_pair("parents", &parents)}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == num_nodes, kOp, ": ", name,
+                " must have one entry per node (target_logits row): shape (", num_nodes, ",), got ", t->sizes());
+    TORCH_CHECK(is_index_dtype(t->scalar_type()), kOp, ": ", name, " must have dtype int32 or int64, got ",
+                t->scalar_type());
+    check_device(name, *t, device);
+  }
+  TORCH_CHECK(cu_num_nodes.dim() == 1, kOp, ": cu_num_nodes must be 1-D, got shape ", cu_num_nodes.sizes());
+  TORCH_CHECK(is_index_dtype(cu_num_nodes.scalar_type()), kOp,
+              ": cu_num_nodes must have dtype int32 or int64, got ", cu_num_nodes.scalar_type());
+  check_device("cu_num_nodes", cu_num_nodes, device);
+  TORCH_CHECK(cu_num_nodes.size(0) >= 1, kOp, ": cu_num_nodes must have B + 1 >= 1 entries (a leading 0)");
+  const int64_t num_requests = cu_num_nodes.size(0) - 1;
+  TORCH_CHECK(num_requests <= std::numeric_limits<int32_t>::max() - 1, kOp, ": too many requests (",
+              num_requests, ")");
+  // The output width; the node field of the random streams has 24 bits (docs/ALGORITHM.md §2).
+  TORCH_CHECK(max_depth >= 0, kOp, ": max_depth must be >= 0, got ", max_depth);
+  TORCH_CHECK(max_depth < (int64_t{1} << specdec::kNodeBits), kOp, ": max_depth must be < 2^24, got ", max_depth);
+
+  if (draft_probs.has_value()) {
+    const at::Tensor& dp = *draft_probs;
+    TORCH_CHECK(dp.dim() == 2, kOp, ": draft_probs must be 2-D, got shape ", dp.sizes());
+    TORCH_CHECK(is_logit_dtype(dp.scalar_type()), kOp,
+                ": draft_probs must have dtype float32, bfloat16 or float16, got ", dp.scalar_type());
+    check_device("draft_probs", dp, device);
+    TORCH_CHECK(dp.size(0) == num_nodes && dp.size(1) == vocab, kOp, ": draft_probs must have shape (N, V) = (",
+                num_nodes, ", ", vocab, "), got ", dp.sizes());
+  }
+  if (temperature.has_value()) {
+    const at::Tensor& t = *temperature;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == num_requests, kOp, ": temperature must have shape (B,) = (",
+                num_requests, ",), got ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble ||
+                    t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+                kOp, ": temperature must have dtype float32, float64, bfloat16 or float16, got ", t.scalar_type());
+    check_device("temperature", t, device);
+  }
+  for (const auto& [name, t] : {std::make_pair("seeds", &seeds), std::make_pair("offsets", &offsets)}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& v = **t;
+    TORCH_CHECK(v.dim() == 1 && v.size(0) == num_requests, kOp, ": ", name, " must have shape (B,) = (",
+                num_requests, ",), got ", v.sizes());
+    TORCH_CHECK(is_index_dtype(v.scalar_type()), kOp, ": ", name, " must have dtype int32 or int64, got ",
+                v.scalar_type());
+    check_device(name, v, device);
+  }
+
+  const c10::cuda::CUDAGuard guard(device);
+  const auto int32_options = at::TensorOptions().dtype(at::kInt).device(device);
+  Call call;
+  call.out_tokens = at::empty({num_requests, max_depth + 1}, int32_options);
+  call.out_nodes = at::empty({num_requests, max_depth + 1}, int32_options);
+  call.num_accepted = at::empty({num_requests}, int32_options);
+  if (num_requests == 0) return {call.out_tokens, call.out_nodes, call.num_accepted};
+
+  call.logits = inner_contiguous(target_logits);
+  call.tokens = tokens.contiguous();
+  call.parents = parents.contiguous();
+  call.cu = cu_num_nodes.contiguous();
+  if (draft_probs.has_value()) call.draft_probs = inner_contiguous(*draft_probs);
+  if (temperature.has_value()) call.temperature = temperature->contiguous();
+  // Without seeds, draw them from torch's CUDA generator (graph-safe), like the Python API.
+  call.seeds = seeds.has_value() ? seeds->contiguous()
+                                 : at::randint(std::numeric_limits<int64_t>::min(),
+                                               std::numeric_limits<int64_t>::max(), {num_requests},
+                                               at::TensorOptions().dtype(at::kLong).device(device));
+  if (offsets.has_value()) call.offsets = offsets->contiguous();
+  call.num_requests = num_requests;
+  call.max_depth = max_depth;
+
+  switch (call.logits.scalar_type()) {
+    case at::kFloat: launch_for_probs<float>(call); break;
+    case at::kBFloat16: launch_for_probs<__nv_bfloat16>(call); break;
+    default: launch_for_probs<__half>(call); break;
+  }
+  return {call.out_tokens, call.out_nodes, call.num_accepted};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) { m.impl("tree_rejection_sample", &tree_rejection_sample_cuda); }
