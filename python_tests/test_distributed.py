@@ -1,6 +1,7 @@
 """Vocabulary-parallel verification over torch.distributed (gloo, spawned CPU processes):
 every rank returns the single-device op's tokens on the gathered logits, for shards of any
-size (V not divisible by the world size, shards smaller than a sampling chunk)."""
+size (V not divisible by the world size, shards smaller than a sampling chunk), for chains
+and for trees."""
 import os
 import tempfile
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import specdec_kernels
-from specdec_kernels.distributed import rejection_sample_vocab_parallel
+from specdec_kernels.distributed import rejection_sample_vocab_parallel, tree_rejection_sample_vocab_parallel
 from utils import random_batch
 
 CASES = [
@@ -61,3 +62,128 @@ def test_vocab_parallel_equals_single_device(case_index):
     ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
     same = (results[0][0] == ref_out).all(1) & (results[0][1] == ref_num)
     assert same.float().mean() >= 0.999, f"{int((~same).sum())} of {batch} requests differ from the single-device op"
+
+
+# --- trees -----------------------------------------------------------------------------------
+
+# world size -> configurations run by one spawn: (vocab, draft probabilities, max_depth,
+# shard bounds or None for the ragged split, compute dtype, pass max_children)
+TREE_CASES = {
+    2: [(1000, False, 2, None, torch.float32, True),
+        (9000, True, 4, None, torch.float32, False),
+        (7, True, 5, None, torch.float32, True),      # tiny vocabulary: repeated i.i.d. children
+        (5, False, 6, None, torch.float64, False)],   # duplicate siblings of deterministic drafts
+    3: [(1025, True, 2, None, torch.float32, True),
+        (600, False, 3, None, torch.float32, True),
+        (300, True, 6, [(0, 1), (1, 257), (257, 300)], torch.float32, False),  # a 1-entry shard
+        (700, False, 4, [(0, 0), (0, 512), (512, 700)], torch.float32, True)],  # an empty shard
+}
+TREE_BATCH = 40
+
+
+def _tree_batch(vocab, probs, seed, batch=TREE_BATCH):
+    """Random ragged trees (some malformed links and ids), children often the parent row's
+    likely tokens; drafts i.i.d. from the draft row (probs) or mostly distinct (top-k like)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 11, (batch,), generator=g)
+    counts[:2] = torch.tensor([0, 1])
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = counts.cumsum(0)
+    n = int(cu[-1])
+    logits = torch.randn(n, vocab, generator=g) * 2
+    logits[torch.rand(n, vocab, generator=g) < 0.1] = float("-inf")
+    logits[0, 0] = float("nan")
+    logits[1, -1] = float("inf")
+    p = torch.softmax(torch.randn(n, vocab, generator=g) * 2, -1)
+    parents = torch.full((n,), -1, dtype=torch.int32)
+    tokens = torch.zeros(n, dtype=torch.int64)
+    for b in range(batch):
+        s = int(cu[b])
+        for j in range(1, int(counts[b])):
+            par = j - 1 if torch.rand(1, generator=g) < 0.4 else int(torch.randint(0, j, (1,), generator=g))
+            parents[s + j] = par
+            row = s + par
+            if probs:
+                tokens[s + j] = int(torch.multinomial(p[row], 1, generator=g))
+            else:  # the next untaken token of the draft's ranking, sometimes a repeat
+                taken = tokens[s + 1:s + j][parents[s + 1:s + j] == par].tolist()
+                ranked = [t for t in torch.argsort(p[row], descending=True).tolist() if t not in taken]
+                tok = ranked[0] if (ranked and torch.rand(1, generator=g) < 0.9) or not taken else taken[0]
+                tokens[s + j] = tok
+            if torch.rand(1, generator=g) < 0.6:
+                logits[row, tokens[s + j]] = logits[row].nan_to_num(nan=0, posinf=0, neginf=0).max() + 1.0
+    if n > 12:
+        tokens[5] = vocab + 3   # invalid ids
+        tokens[9] = -1
+        parents[7] = 40         # parent >= child
+    temperature = torch.rand(batch, generator=g) * 1.4 + 0.3
+    temperature[torch.rand(batch, generator=g) < 0.3] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=g)
+    offsets = torch.randint(0, 2**40, (batch,), generator=g)
+    return logits, tokens, parents, cu, (p if probs else None), temperature, seeds, offsets
+
+
+def _max_children(parents, cu):
+    counts = {}
+    for b in range(cu.shape[0] - 1):
+        for j in range(int(cu[b]) + 1, int(cu[b + 1])):
+            counts[(b, int(parents[j]))] = counts.get((b, int(parents[j])), 0) + 1
+    return max(counts.values(), default=0)
+
+
+def _tree_worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = []
+    for i, (vocab, probs, depth, bounds, dtype, pass_max_children) in enumerate(TREE_CASES[world]):
+        logits, tokens, parents, cu, p, temp, seeds, offs = _tree_batch(vocab, probs, seed=10 * world + i)
+        lo, hi = (bounds or _shard_bounds(vocab, world))[rank]
+        results.append(tree_rejection_sample_vocab_parallel(
+            logits[:, lo:hi].contiguous(), tokens, parents, cu, None if p is None else p[:, lo:hi].contiguous(),
+            temp, seeds, offs, depth, vocab_start=lo, vocab_size=vocab, compute_dtype=dtype,
+            max_children=_max_children(parents, cu) if pass_max_children else None))
+    # Seeds drawn inside (rank 0 broadcasts them): still identical on every rank.
+    logits, tokens, parents, cu, p, temp, _, _ = _tree_batch(100, True, seed=7)
+    lo, hi = _shard_bounds(100, world)[rank]
+    results.append(tree_rejection_sample_vocab_parallel(
+        logits[:, lo:hi], tokens, parents, cu, p[:, lo:hi], temp, max_depth=4, vocab_start=lo, vocab_size=100))
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", sorted(TREE_CASES))
+def test_tree_vocab_parallel_equals_single_device(world):
+    with tempfile.TemporaryDirectory() as out_dir:
+        init_file = os.path.join(out_dir, "init")
+        mp.spawn(_tree_worker, args=(world, init_file, out_dir), nprocs=world, join=True)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    for other in results[1:]:
+        for got, ref in zip(other, results[0]):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), "ranks disagree"
+    for i, (vocab, probs, depth, _, _, _) in enumerate(TREE_CASES[world]):
+        args = _tree_batch(vocab, probs, seed=10 * world + i)
+        ref = specdec_kernels.tree_rejection_sample(*args, depth)
+        out, nodes, num = results[0][i]
+        same = (out == ref[0]).all(1) & (nodes == ref[1]).all(1) & (num == ref[2])
+        assert same.float().mean() >= 0.999, \
+            f"case {i}: {int((~same).sum())} of {TREE_BATCH} requests differ from the single-device op"
+        assert int(num.sum()) > TREE_BATCH // 4, "walks too shallow to exercise the tree"  # test-strength check
+
+
+def test_tree_vocab_parallel_input_errors():
+    """Malformed inputs raise before any collective (no process group needed)."""
+    logits, tokens, parents, cu, p, temp, seeds, offs = _tree_batch(50, True, seed=1, batch=4)
+    shard = logits[:, :20]
+    kwargs = dict(vocab_start=0, vocab_size=50)
+    with pytest.raises(ValueError, match="parents must have one entry per node"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents[:-1], cu, max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match=r"draft_probs must have shape \(N, V_local\)"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, p, max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match="shard .* must lie in"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, max_depth=3, vocab_start=40, vocab_size=50)
+    with pytest.raises(TypeError, match="tokens must have dtype"):
+        tree_rejection_sample_vocab_parallel(shard, tokens.float(), parents, cu, max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match="temperature must have shape"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, None, temp[:2], max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match="max_children must be >= 0"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, max_depth=3, max_children=-1, **kwargs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .checks import check_tensor, LOGIT_DTYPES, INDEX_DTYPES
+from .checks import INDEX_DTYPES, LOGIT_DTYPES, _check_request_params, _check_width, check_tensor
 from .philox import (
     SAMPLE_CHUNK,
     STREAM_ACCEPT,
@@ -176,10 +176,12 @@ def rejection_sample_vocab_parallel(
     else:
         weights = torch.where((lane + lo)[None, :] == x_star[:, None], 0.0, q_star)
         fallback = None  # q minus the draft is empty only for a point mass: its argmax
-    token = _sample_sharded(weights, seeds, offsets, t_star, lo, hi, vocab_size, group)
-    if fallback is not None:
-        token = torch.where(token < 0, _sample_sharded(fallback, seeds, offsets, t_star, lo, hi, vocab_size, group), token)
+    if fallback is not None:  # both rows in one call: the same three collectives
+        both = _sample_sharded(torch.cat([weights, fallback]), seeds.repeat(2), offsets.repeat(2), t_star.repeat(2),
+                               lo, hi, vocab_size, group)
+        token = torch.where(both[:B] < 0, both[B:], both[:B])
     else:
+        token = _sample_sharded(weights, seeds, offsets, t_star, lo, hi, vocab_size, group)
         token = torch.where(token < 0, argmax[b_idx, t_star], token)
     token = torch.where(greedy, argmax[b_idx, t_star], token)
 
@@ -270,3 +272,295 @@ def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: i
     # ---- collective 4: the token (the lowest crossing over the ranks) ------------------------
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     return torch.where(found & (first < vocab_size), first, -1)
+
+
+def _index_bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int64 index tensor as the bits of a float tensor of ``dtype`` (4 or 8 bytes), so that it
+    travels bit-exactly in the same collective as the floats (collectives only move bytes)."""
+    return t.to(torch.int32 if dtype.itemsize == 4 else torch.int64).view(dtype)
+
+
+def _bits_index(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype.itemsize == 4 else torch.int64).to(torch.int64)
+
+
+def _segment_scan(key: torch.Tensor, values: torch.Tensor):
+    """For entries sorted by ``key`` (stable, index order inside a key): each entry's count of
+    earlier entries with the same key and its exclusive sum of ``values`` over them.
+    Sync-free (one argsort and cumsums)."""
+    n = key.shape[0]
+    order = torch.sort(key, stable=True).indices
+    sk = key[order]
+    first = torch.ones(n, dtype=torch.bool, device=key.device)
+    first[1:] = sk[1:] != sk[:-1]
+    pos = torch.arange(n, device=key.device)
+    start = torch.where(first, pos, 0).cummax(0).values
+    sv = values[order]
+    excl = sv.cumsum(0) - sv
+    seg_sum = excl - excl[start]
+    count = torch.empty_like(pos).scatter_(0, order, pos - start)
+    return count, torch.empty_like(seg_sum).scatter_(0, order, seg_sum)
+
+
+@torch.no_grad()
+def tree_rejection_sample_vocab_parallel(
+    target_logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    cu_num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    max_depth: int | None = None,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None = None,
+    max_children: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tree_rejection_sample`` on vocabulary shards of the logits.
+
+    Each rank holds the columns ``[vocab_start, vocab_start + V_local)`` of the target logits
+    (and of the draft probabilities); the shards must tile ``[0, vocab_size)`` in rank order
+    (any sizes: V need not be divisible by the world size, a shard may be smaller than a
+    sampling chunk or empty). The ranks exchange O(number of nodes) numbers, never the logits,
+    and every rank returns the single-device op's outputs on the gathered logits for the same
+    seeds (except at float near-ties).
+
+    Parameters
+    ----------
+    target_logits : Tensor [N, V_local], float32 / bfloat16 / float16
+        This rank's shard of the target logits; row v scores the token after node v.
+    tokens, parents, cu_num_nodes
+        The draft trees, as in ``tree_rejection_sample`` (global token ids). Identical on
+        every rank.
+    draft_probs : Tensor [N, V_local] or None
+        This rank's shard of the draft distributions (None: deterministic drafts).
+    temperature, seeds, offsets : Tensor [B] or None
+        As in ``tree_rejection_sample``, identical on every rank. Seeds absent: rank 0 of
+        ``group`` draws them and broadcasts them (one more collective).
+    max_depth : int or None
+        Output width - 1. None = the largest node count - 1, which synchronizes.
+    vocab_start : int
+        Global id of this shard's first column.
+    vocab_size : int
+        The full vocabulary size V.
+    group : ProcessGroup or None
+        The tensor-parallel group (None: the default group). NCCL for CUDA tensors, gloo
+        for CPU tensors.
+    max_children : int or None
+        With ``draft_probs`` only: an upper bound on the number of children of any node. The
+        residual after j rejected siblings needs a global sum that depends on the previous
+        one, so the walk takes ``max_children - 1`` extra rounds of one all_reduce of N
+        numbers each. None = counted from ``parents``, which synchronizes: pass it on the hot
+        path (it is a property of the tree shape). A value below the true count gives wrong
+        tokens for the nodes with more children.
+    compute_dtype : torch.dtype
+        Float type of the local arithmetic and of the exchanged statistics (float32 or
+        float64).
+
+    Returns
+    -------
+    output_token_ids : Tensor [B, max_depth + 1], int32
+    accepted_nodes : Tensor [B, max_depth + 1], int32
+    num_accepted : Tensor [B], int32
+        As ``tree_rejection_sample``, identical on every rank.
+
+    Notes
+    -----
+    Collectives: (1) all_gather of every row's (max, sum of exp((l - max)/T), first argmax)
+    and every node's (l_parent(x), p_parent(x)); with ``draft_probs``, ``max_children - 1``
+    all_reduce(SUM) rounds of the residual masses; then the walk runs locally and
+    identically on every rank (every accept decision depends only on these numbers and the
+    child's earlier siblings: decided for all nodes at once, then a chase of at most
+    ``max_depth`` steps from the root); (2)-(4) the three collectives of the sharded sampler
+    of the chain version, for the residual and for q at each request's stop node. No host
+    synchronization inside when ``max_depth``, ``seeds`` and (with ``draft_probs``)
+    ``max_children`` are given.
+    """
+    check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
+    device = target_logits.device
+    N, v_local = target_logits.shape
+    for name, t in (("tokens", tokens), ("parents", parents)):
+        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        if t.shape[0] != N:
+            raise ValueError(f"{name} must have one entry per node (target_logits row): shape ({N},), "
+                             f"got {tuple(t.shape)}")
+    check_tensor("cu_num_nodes", cu_num_nodes, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if cu_num_nodes.shape[0] < 1:
+        raise ValueError("cu_num_nodes must have B + 1 >= 1 entries (a leading 0)")
+    B = cu_num_nodes.shape[0] - 1
+    for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= vocab_start <= vocab_start + v_local <= vocab_size:
+        raise ValueError(f"the shard [vocab_start, vocab_start + V_local) = [{vocab_start}, {vocab_start + v_local}) "
+                         f"must lie in [0, vocab_size = {vocab_size})")
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, ndim=2, dtypes=LOGIT_DTYPES, device=device)
+        if tuple(draft_probs.shape) != (N, v_local):
+            raise ValueError(f"draft_probs must have shape (N, V_local) = ({N}, {v_local}), "
+                             f"got {tuple(draft_probs.shape)}")
+    _check_request_params(temperature, seeds, offsets, B, device)
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
+    if max_depth is None:
+        counts = cu_num_nodes[1:] - cu_num_nodes[:-1]
+        max_depth = max(int(counts.max()) - 1, 0) if B else 0
+    _check_width("max_depth", max_depth)
+    if max_children is not None:
+        _check_width("max_children", max_children)
+    D = int(max_depth)
+    lo, hi = vocab_start, vocab_start + v_local
+    cd = compute_dtype
+    out = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
+    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
+    if B == 0 or N == 0:  # the same on every rank: no collective
+        return out.to(torch.int32), path.to(torch.int32), torch.zeros(B, dtype=torch.int32, device=device)
+    if seeds is None:
+        seeds = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64, device=device)
+        dist.broadcast(seeds, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    seeds = seeds.to(torch.int64)
+    offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
+
+    # ---- tree structure (the reference's rules for malformed links), sync-free ----------------
+    cu = cu_num_nodes.to(torch.int64).clamp(0, N)
+    cu = torch.maximum(cu, torch.cummax(cu, 0).values)
+    g = torch.arange(N, device=device)
+    owner = torch.searchsorted(cu[1:], g, right=True)
+    local = g - cu[owner]
+    req = owner.clamp(max=B - 1)  # request of each node (nodes past cu[-1] are never reached)
+    par = parents.to(torch.int64)
+    linked = (local > 0) & (par >= 0) & (par < local) & (owner < B)
+    x = tokens.to(torch.int64)
+    child = linked & (x >= 0) & (x < vocab_size)  # tested children that can be accepted
+    par_g = torch.where(child, cu[owner] + par, N)  # N: no (valid) parent
+    pr = par_g.clamp(max=N - 1)
+    temp = (torch.ones(B, device=device) if temperature is None else temperature).to(cd)
+    greedy = ~(temp > 0)
+    inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
+    inv_t = inv_temp[req]  # per row
+    tiny = torch.finfo(cd).tiny
+
+    # ---- local statistics of every row, and each child's logit / draft prob in its parent's row
+    lg = sanitize_logits(target_logits.to(cd))
+    if v_local:
+        local_max, local_arg = lg.max(-1)
+        shift = torch.where(local_max > _NEG_INF, local_max, 0.0)
+        local_sum = ((lg - shift[:, None]) * inv_t[:, None]).exp().sum(-1)
+        local_arg = torch.where(local_max > _NEG_INF, local_arg + lo, vocab_size)
+    else:
+        local_max = torch.full((N,), _NEG_INF, dtype=cd, device=device)
+        local_sum = torch.zeros(N, dtype=cd, device=device)
+        local_arg = torch.full((N,), vocab_size, dtype=torch.int64, device=device)
+    mine = child & (x >= lo) & (x < hi)
+    x_local = (x - lo).clamp(0, max(v_local - 1, 0))
+    l_x = torch.where(mine, lg[pr, x_local] if v_local else 0.0, _NEG_INF)
+    if draft_probs is not None:
+        p_x = torch.where(mine, draft_probs[pr, x_local].to(cd) if v_local else 0.0, _NEG_INF)
+    else:
+        p_x = torch.full_like(l_x, _NEG_INF)
+
+    # ---- collective 1 ---------------------------------------------------------------------------
+    stats = torch.stack([local_max, local_sum, _index_bits(local_arg, cd), l_x, p_x], -1)  # [N, 5]
+    gathered = _all_gather(stats, group)  # [W, N, 5]
+    g_max, g_sum, g_lx, g_px = gathered[..., 0], gathered[..., 1], gathered[..., 3], gathered[..., 4]
+    g_arg = _bits_index(gathered[..., 2].contiguous())
+    row_max = g_max.max(0).values
+    row_shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
+    live = g_max > _NEG_INF
+    row_sum = torch.where(live, g_sum * ((g_max - row_shift[None]) * inv_t[None]).exp(), 0.0).sum(0)
+    argmax = torch.where(live & (g_max == row_max[None]), g_arg, vocab_size).min(0).values
+    argmax = torch.where(row_max > _NEG_INF, argmax, -1)
+    lx = g_lx.max(0).values
+    px = g_px.max(0).values if draft_probs is not None else torch.ones(N, dtype=cd, device=device)
+
+    # ---- every child's accept test (its parent's row; its earlier siblings were rejected) -------
+    m_par, s_par = row_max[pr], row_sum[pr]
+    q_x = torch.where(child & (lx > _NEG_INF) & (m_par > _NEG_INF),
+                      ((lx - torch.where(m_par > _NEG_INF, m_par, 0.0)) * inv_t).exp() / s_par.clamp(min=tiny), 0.0)
+    u = uniform_from_word(philox_words(seeds[req], offsets[req], STREAM_ACCEPT, local, torch.zeros_like(local))[0], cd)
+    n_children = torch.zeros(N + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, par_g, child.to(torch.int64))[:N]  # valid children of each node
+    if draft_probs is not None:
+        # a_j, N_j after j rejections at a node: a_0 = 0, N_0 = 1, a_{j+1} = a_j + N_j,
+        # N_j = sum_x (q - a_j p)+ -- a global sum per round (docs/ALGORITHM.md §5).
+        if max_children is None:
+            max_children = int(n_children.max())
+        rounds = max(int(max_children) - 1, 0)
+        a_tab = torch.zeros(N, rounds + 2, dtype=cd, device=device)
+        a_tab[:, 1] = 1.0
+        mass_tab = torch.ones(N, rounds + 1, dtype=cd, device=device)
+        if rounds:
+            q_rows = ((lg - row_shift[:, None]) * inv_t[:, None]).exp() / row_sum.clamp(min=tiny)[:, None]
+            p_rows = draft_probs.to(cd)
+            for j in range(1, rounds + 1):
+                part = (q_rows - a_tab[:, j, None] * p_rows).clamp(min=0).sum(-1)
+                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)  # collectives 1b
+                mass_tab[:, j] = part
+                a_tab[:, j + 1] = a_tab[:, j] + part
+        rank_j, _ = _segment_scan(par_g, torch.zeros(N, dtype=torch.float64, device=device))
+        rank_j = rank_j.clamp(max=rounds)
+        a_c, mass_c = a_tab[pr, rank_j], mass_tab[pr, rank_j]
+        accept_random = u * px * mass_c < (q_x - a_c * px).clamp(min=0)
+    else:
+        # Residual = q without the distinct tokens E of the earlier siblings: a duplicate of an
+        # earlier sibling's token is rejected; 1 - q(E) from an exclusive segmented sum.
+        order = torch.arange(N, device=device)
+        xk = torch.where(child, x, 0)
+        order = order[torch.sort(xk[order], stable=True).indices]
+        order = order[torch.sort(par_g[order], stable=True).indices]
+        sp, sx = par_g[order], xk[order]
+        dup_sorted = torch.zeros(N, dtype=torch.bool, device=device)
+        dup_sorted[1:] = (sp[1:] == sp[:-1]) & (sx[1:] == sx[:-1]) & (sp[1:] < N)
+        dup = torch.empty_like(dup_sorted).scatter_(0, order, dup_sorted)
+        _, q_excluded = _segment_scan(par_g, torch.where(child & ~dup, q_x, 0.0).to(torch.float64))
+        free = (1.0 - q_excluded).to(cd)
+        accept_random = (u * free < q_x) & ~dup
+    accept = child & torch.where(greedy[req], x == argmax[pr], accept_random)
+    first_acc = torch.full((N + 1,), N, dtype=torch.int64, device=device).scatter_reduce_(
+        0, torch.where(accept, par_g, N), torch.where(accept, g, N), "amin")[:N]
+
+    # ---- the walk: a chase of at most max_depth steps, identical on every rank ---------------------
+    b_idx = torch.arange(B, device=device)
+    has_root = cu[1:] > cu[:-1]
+    node = torch.where(has_root, cu[:-1], N)
+    path[:, 0] = torch.where(has_root, 0, -1)
+    depth = torch.zeros(B, dtype=torch.int64, device=device)
+    first_acc_ext = torch.cat([first_acc, torch.full((1,), N, dtype=torch.int64, device=device)])
+    x_ext = torch.cat([x, torch.full((1,), -1, dtype=torch.int64, device=device)])
+    for s in range(D):
+        nxt = first_acc_ext[node]
+        move = nxt < N  # a request that stopped stays: its node has no accepted child
+        out[:, s] = torch.where(move, x_ext[nxt], -1)
+        path[:, s + 1] = torch.where(move, nxt - cu[:-1], -1)
+        node = torch.where(move, nxt, node)
+        depth += move.to(torch.int64)
+    stop = node.clamp(max=N - 1)
+    limited = depth >= D  # children not tested: the residual is q itself
+
+    # ---- the final token from the stop node's residual (and q as the fallback) ------------------
+    lg_stop = lg[stop]  # [B, V_local]
+    m_s, s_s = row_max[stop], row_sum[stop]
+    q_stop = torch.where(lg_stop > _NEG_INF,
+                         ((lg_stop - torch.where(m_s > _NEG_INF, m_s, 0.0)[:, None]) * inv_temp[:, None]).exp()
+                         / s_s.clamp(min=tiny)[:, None], 0.0)
+    if draft_probs is not None:
+        a_fin = torch.where(limited, 0.0, a_tab[stop, n_children[stop].clamp(max=a_tab.shape[1] - 1)])
+        w = (q_stop - a_fin[:, None] * draft_probs[stop].to(cd)).clamp(min=0)
+        w = torch.where(q_stop > 0, torch.nan_to_num(w, nan=0.0), 0.0)
+    else:
+        kid = child & (par_g == stop[req]) & ~limited[req] & mine
+        excluded = torch.zeros(B, v_local + 1, dtype=torch.bool, device=device)
+        excluded.index_put_((req, torch.where(kid, x - lo, v_local)), torch.ones_like(kid))
+        w = torch.where(excluded[:, :v_local], 0.0, q_stop)
+    local_stop = torch.where(has_root, stop - cu[:-1], 0)
+    both = _sample_sharded(torch.cat([w, q_stop]), seeds.repeat(2), offsets.repeat(2), local_stop.repeat(2),
+                           lo, hi, vocab_size, group)
+    token = torch.where(both[:B] < 0, both[B:], both[:B])
+    token = torch.where(greedy, argmax[stop], token)
+    token = torch.where(has_root, token, -1)
+    out.scatter_(1, depth[:, None], token[:, None])
+    return out.to(torch.int32), path.to(torch.int32), depth.to(torch.int32)
