@@ -226,7 +226,8 @@ def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: i
             for chunk_idx, partial, valid in ((ef, pf, cnt >= 1), (el, pl, cnt >= 2)):
                 local = chunk_idx.to(torch.int64) - c_first
                 hit = valid & (local >= 0) & (local < n_local_chunks)
-                totals[hit, local[hit]] += partial[hit]
+                # (a masked scatter, not totals[hit, ...]: boolean indexing would sync the host)
+                totals.scatter_add_(1, torch.where(hit, local, 0)[:, None], torch.where(hit, partial, 0.0)[:, None])
     # Race over the chunks that start in this shard (each chunk is raced by exactly one rank).
     chunk_ids = torch.arange(c_first, c_first + n_local_chunks, device=device)
     owned = (chunk_ids * SAMPLE_CHUNK >= lo) & (chunk_ids * SAMPLE_CHUNK < hi)
