@@ -197,3 +197,20 @@ def test_tree_vocab_parallel_input_errors():
         tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, None, temp[:2], max_depth=3, **kwargs)
     with pytest.raises(ValueError, match="max_children must be >= 0"):
         tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, max_depth=3, max_children=-1, **kwargs)
+
+
+def test_fused_philox_equals_torch_philox():
+    """The one-launch Philox of the vocab-parallel ops (Triton: on CUDA, or in the interpreter
+    that conftest switches on without a GPU) draws the torch Philox's words bit for bit."""
+    from specdec_kernels.distributed import _philox01
+    from specdec_kernels.philox import philox_words
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (7, 1), generator=g, dtype=torch.int64)
+    offsets = torch.randint(0, 2**62, (7, 1), generator=g, dtype=torch.int64)
+    nodes = torch.randint(0, 2**25, (7, 1), generator=g)
+    lanes = torch.arange(600)[None, :]
+    for stream in (0, 1):
+        got = _philox01(*(t.to(device) for t in (seeds, offsets)), stream, nodes.to(device), lanes.to(device))
+        want = philox_words(seeds, offsets, stream, nodes, lanes)[:2]
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))

@@ -23,6 +23,8 @@ CPUs, NCCL on GPUs); no host synchronization inside.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -37,15 +39,58 @@ from .philox import (
 )
 from .reference import FLT_MAX, _rows, sanitize_logits
 
+try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small torch ops per draw
+    import triton
+    import triton.language as tl
+
+    from .triton_rejection_sample import _philox_words as _tl_philox_words
+except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is used instead
+    triton = None
+
 _NEG_INF = float("-inf")
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+    @triton.jit
+    def _philox01_kernel(seed_ptr, offset_ptr, node_ptr, lane_ptr, w0_ptr, w1_ptr, n,
+                         STREAM: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        w0, w1 = _tl_philox_words(tl.load(seed_ptr + i, mask=m, other=0), tl.load(offset_ptr + i, mask=m, other=0),
+                                  STREAM, tl.load(node_ptr + i, mask=m, other=0),
+                                  tl.load(lane_ptr + i, mask=m, other=0))
+        tl.store(w0_ptr + i, w0.to(tl.int64) & 0xFFFFFFFF, mask=m)
+        tl.store(w1_ptr + i, w1.to(tl.int64) & 0xFFFFFFFF, mask=m)
+
+
+def _philox01(seeds, offsets, stream: int, node, lane) -> tuple[torch.Tensor, torch.Tensor]:
+    """Words 0 and 1 of ``philox.philox_words`` (same arguments, broadcast), as int64: one
+    Triton launch on CUDA tensors (and in Triton's interpreter), the torch Philox otherwise."""
+    seeds, offsets, node, lane = torch.broadcast_tensors(*(t.to(torch.int64) for t in (seeds, offsets, node, lane)))
+    if triton is None or not (seeds.is_cuda or _INTERPRET) or seeds.numel() == 0:
+        w0, w1, _, _ = philox_words(seeds, offsets, stream, node, lane)
+        return w0, w1
+    flat = [t.contiguous().view(-1) for t in (seeds, offsets, node, lane)]
+    n = flat[0].numel()
+    w0 = torch.empty(n, dtype=torch.int64, device=seeds.device)
+    w1 = torch.empty_like(w0)
+    block = 256
+    _philox01_kernel[(triton.cdiv(n, block),)](*flat, w0, w1, n, STREAM=stream, BLOCK=block)
+    return w0.view(seeds.shape), w1.view(seeds.shape)
+
+
+# all_gather_into_tensor was renamed all_gather_single (torch 2.14 deprecates the old name).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
-    """[world, *t.shape]: every rank's ``t`` (same shape and dtype on every rank)."""
+    """[world, *t.shape]: every rank's ``t`` (same shape and dtype on every rank), gathered
+    into one tensor (the concatenated form, which gloo and NCCL both take)."""
     world = dist.get_world_size(group)
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return torch.stack(out)
+    t = t.contiguous()
+    out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    _all_gather_single(out, t, group=group)
+    return out.view((world,) + tuple(t.shape))
 
 
 def rejection_sample_vocab_parallel(
@@ -154,7 +199,7 @@ def rejection_sample_vocab_parallel(
     rm, rs = row_max[:, :L], row_sum[:, :L]
     q_x = torch.where(x_ok & (lx > _NEG_INF) & (rm > _NEG_INF),
                       ((lx - torch.where(rm > _NEG_INF, rm, 0.0)) * inv_temp[:, None]).exp() / rs.clamp(min=1e-38), 0.0)
-    a0, _, _, _ = philox_words(seeds[:, None], offsets[:, None], STREAM_ACCEPT, td[None, :] + 1, torch.zeros_like(td)[None, :])
+    a0, _ = _philox01(seeds[:, None], offsets[:, None], STREAM_ACCEPT, td[None, :] + 1, torch.zeros_like(td)[None, :])
     u = uniform_from_word(a0, compute_dtype)
     accept = torch.where(greedy[:, None], x == argmax[:, :L], u * px < q_x) & x_ok
     t_star = accept.to(torch.int64).cumprod(-1).sum(-1) if L else torch.zeros(B, dtype=torch.int64, device=device)
@@ -232,7 +277,7 @@ def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: i
     chunk_ids = torch.arange(c_first, c_first + n_local_chunks, device=device)
     owned = (chunk_ids * SAMPLE_CHUNK >= lo) & (chunk_ids * SAMPLE_CHUNK < hi)
     if n_local_chunks:
-        w0, w1, _, _ = philox_words(seeds[:, None], offsets[:, None], STREAM_SAMPLE, nodes[:, None], chunk_ids[None, :])
+        _, w1 = _philox01(seeds[:, None], offsets[:, None], STREAM_SAMPLE, nodes[:, None], chunk_ids[None, :])
         v = open_uniform_from_word(w1, torch.float64)
         score = torch.where((totals > 0) & owned[None, :],
                             torch.log2(totals.to(torch.float64)) - torch.log2(-torch.log2(v)), _NEG_INF)
@@ -261,7 +306,7 @@ def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: i
         ef, pf, el, pl, cnt = all_edges[w].unbind(-1)
         before += torch.where((cnt >= 1) & (ef.to(torch.int64) == winner), pf, 0.0)
         before += torch.where((cnt >= 2) & (el.to(torch.int64) == winner), pl, 0.0)
-    w0, _, _, _ = philox_words(seeds, offsets, STREAM_SAMPLE, nodes, winner)
+    w0, _ = _philox01(seeds, offsets, STREAM_SAMPLE, nodes, winner)
     threshold = uniform_from_word(w0, dtype) * win_total
     in_win = (lane_chunk[None, :] + c_first) == winner[:, None]
     w_win = torch.where(in_win, weights, 0.0)
@@ -482,7 +527,7 @@ def tree_rejection_sample_vocab_parallel(
     m_par, s_par = row_max[pr], row_sum[pr]
     q_x = torch.where(child & (lx > _NEG_INF) & (m_par > _NEG_INF),
                       ((lx - torch.where(m_par > _NEG_INF, m_par, 0.0)) * inv_t).exp() / s_par.clamp(min=tiny), 0.0)
-    u = uniform_from_word(philox_words(seeds[req], offsets[req], STREAM_ACCEPT, local, torch.zeros_like(local))[0], cd)
+    u = uniform_from_word(_philox01(seeds[req], offsets[req], STREAM_ACCEPT, local, torch.zeros_like(local))[0], cd)
     n_children = torch.zeros(N + 1, dtype=torch.int64, device=device).scatter_add_(
         0, par_g, child.to(torch.int64))[:N]  # valid children of each node
     if draft_probs is not None:
