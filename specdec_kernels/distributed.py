@@ -44,6 +44,7 @@ try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small t
     import triton.language as tl
 
     from .triton_rejection_sample import _philox_words as _tl_philox_words
+    from .triton_rejection_sample import _sanitize as _tl_sanitize
 except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is used instead
     triton = None
 
@@ -61,6 +62,109 @@ if triton is not None:
                                   tl.load(lane_ptr + i, mask=m, other=0))
         tl.store(w0_ptr + i, w0.to(tl.int64) & 0xFFFFFFFF, mask=m)
         tl.store(w1_ptr + i, w1.to(tl.int64) & 0xFFFFFFFF, mask=m)
+
+
+    @triton.jit
+    def _row_stats_kernel(logits_ptr, stride, n_cols, rows_ptr, inv_t_ptr, max_ptr, sum_ptr, arg_ptr,
+                          BLOCK: tl.constexpr):
+        """One program per entry: row ``rows[i]`` (-1: no row) of the shard, sanitized, read once
+        in its own dtype: max, sum of exp((l - max) * inv_t), first argmax (n_cols: none)."""
+        i = tl.program_id(0)
+        row = tl.load(rows_ptr + i)
+        inv_t = tl.load(inv_t_ptr + i)
+        base = logits_ptr + tl.maximum(row, 0).to(tl.int64) * stride
+        n = tl.where(row >= 0, n_cols, 0)
+        m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+        s_vec = tl.zeros([BLOCK], tl.float32)
+        a_vec = tl.full([BLOCK], 2147483647, tl.int32)
+        for start in range(0, n, BLOCK):  # per lane: online max / sum, first index of the max
+            cols = start + tl.arange(0, BLOCK)
+            x = _tl_sanitize(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
+            m_new = tl.maximum(m_vec, x)
+            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+            s_vec = s_vec * tl.exp((m_vec - shift) * inv_t) + tl.exp((x - shift) * inv_t)
+            a_vec = tl.where(x > m_vec, cols, a_vec)
+            m_vec = m_new
+        m = tl.max(m_vec, 0)
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(s_vec * tl.exp((m_vec - shift) * inv_t), 0)
+        arg = tl.min(tl.where((m_vec == m) & (m_vec > float("-inf")), a_vec, 2147483647), 0)
+        tl.store(max_ptr + i, m)
+        tl.store(sum_ptr + i, total)
+        tl.store(arg_ptr + i, tl.where(arg < 2147483647, arg, n_cols).to(tl.int64))
+
+    @triton.jit
+    def _residual_mass_kernel(logits_ptr, l_stride, probs_ptr, p_stride, n_cols, max_ptr, sum_ptr, inv_t_ptr,
+                              a_ptr, need_ptr, out_ptr, BLOCK: tl.constexpr):
+        """One program per row: sum_x (q(x) - a p(x))+ over the shard, q = exp((l - max) * inv_t) / sum;
+        rows with need == 0 read nothing. NaN propagates, as in torch's clamp(min=0)."""
+        row = tl.program_id(0)
+        n = tl.where(tl.load(need_ptr + row) != 0, n_cols, 0)
+        m = tl.load(max_ptr + row)
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.maximum(tl.load(sum_ptr + row), 1.1754943508222875e-38)
+        inv_t = tl.load(inv_t_ptr + row)
+        a = tl.load(a_ptr + row)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = _tl_sanitize(tl.load(logits_ptr + row.to(tl.int64) * l_stride + cols, mask=cols < n,
+                                     other=float("-inf")).to(tl.float32))
+            p = tl.load(probs_ptr + row.to(tl.int64) * p_stride + cols, mask=cols < n, other=0.0).to(tl.float32)
+            d = tl.exp((x - shift) * inv_t) / total - a * p
+            acc += tl.where(d < 0, 0.0, d)
+        tl.store(out_ptr + row, tl.sum(acc, 0))
+
+
+def _use_triton(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    return triton is not None and (t.is_cuda or _INTERPRET) and compute_dtype == torch.float32
+
+
+def _row_stats(logits: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, lo: int, vocab_size: int,
+               compute_dtype: torch.dtype):
+    """Per entry i, row ``rows[i]`` of the shard (-1: none) at inverse temperature ``inv_t[i]``:
+    (max, sum of exp((l - max) * inv_t), first argmax as a global id; -inf, 0, vocab_size without
+    a valid logit), logits sanitized (reference.sanitize_logits). One read of the rows."""
+    n, v_local = rows.shape[0], logits.shape[1]
+    device = logits.device
+    if v_local == 0 or n == 0 or logits.shape[0] == 0:
+        return (torch.full((n,), _NEG_INF, dtype=compute_dtype, device=device),
+                torch.zeros(n, dtype=compute_dtype, device=device),
+                torch.full((n,), vocab_size, dtype=torch.int64, device=device))
+    rows = torch.where(rows < logits.shape[0], rows, -1).contiguous()
+    if _use_triton(logits, compute_dtype) and logits.stride(1) == 1:
+        row_max = torch.empty(n, dtype=torch.float32, device=device)
+        row_sum = torch.empty_like(row_max)
+        arg = torch.empty(n, dtype=torch.int64, device=device)
+        _row_stats_kernel[(n,)](logits, logits.stride(0), v_local, rows, inv_t.to(torch.float32).contiguous(),
+                                row_max, row_sum, arg, BLOCK=1024, num_warps=4)
+    else:
+        lg = sanitize_logits(_rows(logits, rows).to(compute_dtype))
+        lg.masked_fill_((rows < 0)[:, None], _NEG_INF)
+        row_max, arg = lg.max(-1)
+        shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
+        row_sum = ((lg - shift[:, None]) * inv_t[:, None]).exp().sum(-1)
+    arg = torch.where(row_max > _NEG_INF, arg + lo, vocab_size)
+    return row_max, row_sum, arg
+
+
+def _residual_mass(logits, probs, row_max, row_sum, inv_t, a, need, compute_dtype):
+    """Per row of the shard: sum_x (q(x) - a p(x))+ with q = exp((l - row_max) * inv_t) / row_sum
+    (the global statistics); rows where ``need`` is False may return anything."""
+    N, v_local = logits.shape
+    device = logits.device
+    if v_local == 0:
+        return torch.zeros(N, dtype=compute_dtype, device=device)
+    if _use_triton(logits, compute_dtype) and logits.stride(1) == 1 and probs.stride(1) == 1:
+        out = torch.empty(N, dtype=torch.float32, device=device)
+        _residual_mass_kernel[(N,)](logits, logits.stride(0), probs, probs.stride(0), v_local, row_max.contiguous(),
+                                    row_sum.contiguous(), inv_t.to(torch.float32).contiguous(),
+                                    a.contiguous(), need.to(torch.int32).contiguous(), out, BLOCK=1024, num_warps=4)
+        return out
+    lg = sanitize_logits(logits.to(compute_dtype))
+    shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
+    q = ((lg - shift[:, None]) * inv_t[:, None]).exp() / row_sum.clamp(min=torch.finfo(compute_dtype).tiny)[:, None]
+    return (q - a[:, None] * probs.to(compute_dtype)).clamp(min=0).sum(-1)
 
 
 def _philox01(seeds, offsets, stream: int, node, lane) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,27 +247,20 @@ def rejection_sample_vocab_parallel(
     offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
     lo, hi = vocab_start, vocab_start + v_local
 
-    # ---- local rows [B, L+1, V_local] and draft positions (the reference's layout) ----------
+    # ---- local row statistics [B, L+1] and draft positions (the reference's layout) ----------
     cu = cu_num_draft_tokens.to(torch.int64)
     n = (cu[1:] - cu[:-1]).clamp(0, L)
     b_idx = torch.arange(B, device=device)
     t = torch.arange(L + 1, device=device)
     row_idx = cu[:-1, None] + b_idx[:, None] + t[None, :]
     row_ok = (t[None, :] <= n[:, None]) & (row_idx >= 0) & (row_idx < R)
-    logits = sanitize_logits(_rows(target_logits, row_idx).to(compute_dtype))
-    logits.masked_fill_(~row_ok[..., None], _NEG_INF)
     temp = (torch.ones(B, device=device) if temperature is None else temperature).to(compute_dtype)
     greedy = ~(temp > 0)
     inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
-
-    local_max = logits.max(-1).values if v_local else torch.full((B, L + 1), _NEG_INF, device=device)
-    shift = torch.where(local_max > _NEG_INF, local_max, 0.0)
-    local_sum = ((logits - shift[..., None]) * inv_temp[:, None, None]).exp().sum(-1) if v_local else \
-        torch.zeros(B, L + 1, device=device)
+    local_max, local_sum, local_argmax = (v.view(B, L + 1) for v in _row_stats(
+        target_logits, torch.where(row_ok, row_idx, -1).view(-1), inv_temp[:, None].expand(B, L + 1).reshape(-1),
+        lo, vocab_size, compute_dtype))
     lane = torch.arange(v_local, device=device)
-    is_max = (logits == local_max[..., None]) & (local_max[..., None] > _NEG_INF)
-    local_argmax = torch.where(is_max, lane + lo, vocab_size).min(-1).values if v_local else \
-        torch.full((B, L + 1), vocab_size, device=device)
 
     td = t[:L]
     d_idx = cu[:-1, None] + td[None, :]
@@ -172,11 +269,11 @@ def rejection_sample_vocab_parallel(
     x_ok = d_ok & (x >= 0) & (x < vocab_size)
     mine = x_ok & (x >= lo) & (x < hi)
     x_local = (x - lo).clamp(0, max(v_local - 1, 0))
-    l_x = torch.where(mine, logits[:, :L].gather(2, x_local[..., None]).squeeze(-1) if v_local else 0.0, _NEG_INF)
+    l_x = torch.where(mine & row_ok[:, :L], sanitize_logits(target_logits[row_idx[:, :L].clamp(0, max(R - 1, 0)), x_local]
+                                            .to(compute_dtype)) if v_local and R else 0.0, _NEG_INF)
     if draft_probs is not None:
-        p_rows = _rows(draft_probs, d_idx)
-        p_x = torch.where(mine, p_rows.gather(2, x_local[..., None]).squeeze(-1).to(compute_dtype) if v_local else 0.0,
-                          _NEG_INF)
+        p_x = torch.where(mine, draft_probs[d_idx.clamp(0, max(N - 1, 0)), x_local].to(compute_dtype)
+                          if v_local and N else 0.0, _NEG_INF)
     else:
         p_x = torch.full_like(l_x, _NEG_INF)
 
@@ -209,7 +306,8 @@ def rejection_sample_vocab_parallel(
 
     # ---- the final row's sampling weights on this shard --------------------------------------
     m_star, s_star = row_max[b_idx, t_star], row_sum[b_idx, t_star]
-    lg_star = logits[b_idx, t_star]  # [B, V_local]
+    lg_star = sanitize_logits(_rows(target_logits, row_idx[b_idx, t_star]).to(compute_dtype))  # [B, V_local]
+    lg_star.masked_fill_(~row_ok[b_idx, t_star][:, None], _NEG_INF)
     q_star = torch.where(lg_star > _NEG_INF,
                          ((lg_star - torch.where(m_star > _NEG_INF, m_star, 0.0)[:, None]) * inv_temp[:, None]).exp()
                          / s_star.clamp(min=1e-38)[:, None], 0.0)
@@ -491,19 +589,10 @@ def tree_rejection_sample_vocab_parallel(
     tiny = torch.finfo(cd).tiny
 
     # ---- local statistics of every row, and each child's logit / draft prob in its parent's row
-    lg = sanitize_logits(target_logits.to(cd))
-    if v_local:
-        local_max, local_arg = lg.max(-1)
-        shift = torch.where(local_max > _NEG_INF, local_max, 0.0)
-        local_sum = ((lg - shift[:, None]) * inv_t[:, None]).exp().sum(-1)
-        local_arg = torch.where(local_max > _NEG_INF, local_arg + lo, vocab_size)
-    else:
-        local_max = torch.full((N,), _NEG_INF, dtype=cd, device=device)
-        local_sum = torch.zeros(N, dtype=cd, device=device)
-        local_arg = torch.full((N,), vocab_size, dtype=torch.int64, device=device)
+    local_max, local_sum, local_arg = _row_stats(target_logits, g, inv_t, lo, vocab_size, cd)
     mine = child & (x >= lo) & (x < hi)
     x_local = (x - lo).clamp(0, max(v_local - 1, 0))
-    l_x = torch.where(mine, lg[pr, x_local] if v_local else 0.0, _NEG_INF)
+    l_x = torch.where(mine, sanitize_logits(target_logits[pr, x_local].to(cd)) if v_local else 0.0, _NEG_INF)
     if draft_probs is not None:
         p_x = torch.where(mine, draft_probs[pr, x_local].to(cd) if v_local else 0.0, _NEG_INF)
     else:
@@ -539,14 +628,12 @@ def tree_rejection_sample_vocab_parallel(
         a_tab = torch.zeros(N, rounds + 2, dtype=cd, device=device)
         a_tab[:, 1] = 1.0
         mass_tab = torch.ones(N, rounds + 1, dtype=cd, device=device)
-        if rounds:
-            q_rows = ((lg - row_shift[:, None]) * inv_t[:, None]).exp() / row_sum.clamp(min=tiny)[:, None]
-            p_rows = draft_probs.to(cd)
-            for j in range(1, rounds + 1):
-                part = (q_rows - a_tab[:, j, None] * p_rows).clamp(min=0).sum(-1)
-                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)  # collectives 1b
-                mass_tab[:, j] = part
-                a_tab[:, j + 1] = a_tab[:, j] + part
+        for j in range(1, rounds + 1):  # rows with at most j children need no N_j
+            part = _residual_mass(target_logits, draft_probs, row_max, row_sum, inv_t, a_tab[:, j],
+                                  n_children > j, cd)
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)  # collectives 1b
+            mass_tab[:, j] = part
+            a_tab[:, j + 1] = a_tab[:, j] + part
         rank_j, _ = _segment_scan(par_g, torch.zeros(N, dtype=torch.float64, device=device))
         rank_j = rank_j.clamp(max=rounds)
         a_c, mass_c = a_tab[pr, rank_j], mass_tab[pr, rank_j]
@@ -588,7 +675,7 @@ def tree_rejection_sample_vocab_parallel(
     limited = depth >= D  # children not tested: the residual is q itself
 
     # ---- the final token from the stop node's residual (and q as the fallback) ------------------
-    lg_stop = lg[stop]  # [B, V_local]
+    lg_stop = sanitize_logits(target_logits[stop].to(cd))  # [B, V_local]
     m_s, s_s = row_max[stop], row_sum[stop]
     q_stop = torch.where(lg_stop > _NEG_INF,
                          ((lg_stop - torch.where(m_s > _NEG_INF, m_s, 0.0)[:, None]) * inv_temp[:, None]).exp()
