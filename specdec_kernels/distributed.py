@@ -116,6 +116,39 @@ if triton is not None:
         tl.store(out_ptr + row, tl.sum(acc, 0))
 
 
+    @triton.jit
+    def _final_totals_kernel(logits_ptr, l_stride, rows_ptr, probs_ptr, p_stride, prow_ptr, excl_ptr, e_stride,
+                             max_ptr, sum_ptr, inv_t_ptr, a_ptr, use_res_ptr, tot_w_ptr, tot_q_ptr,
+                             n_cols, lo, c_first, n_chunks,
+                             HAS_PROBS: tl.constexpr, HAS_EXCL: tl.constexpr, CHUNK: tl.constexpr):
+        """Program (r, c): this shard's part of global chunk c_first + c of final row r: the sums
+        of w and q (``_FinalRows``), the entries formed in registers only."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        row = tl.load(rows_ptr + r)
+        cols = (c_first + c) * CHUNK - lo + tl.arange(0, CHUNK)
+        ok = (cols >= 0) & (cols < n_cols) & (row >= 0)
+        x = _tl_sanitize(tl.load(logits_ptr + tl.maximum(row, 0).to(tl.int64) * l_stride + cols, mask=ok,
+                                 other=float("-inf")).to(tl.float32))
+        m = tl.load(max_ptr + r)
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.maximum(tl.load(sum_ptr + r), 1.1754943508222875e-38)
+        q = tl.where(x > float("-inf"), tl.exp((x - shift) * tl.load(inv_t_ptr + r)) / total, 0.0)
+        if HAS_PROBS:
+            prow = tl.load(prow_ptr + r).to(tl.int64)
+            p = tl.load(probs_ptr + prow * p_stride + cols, mask=ok, other=0.0).to(tl.float32)
+            d = q - tl.load(a_ptr + r) * p
+            res = tl.where((q > 0) & (d > 0), d, 0.0)  # clamp(min=0), NaN -> 0, zero where q = 0
+            w = tl.where(tl.load(use_res_ptr + r) != 0, res, q)
+        elif HAS_EXCL:
+            e = tl.load(excl_ptr + r.to(tl.int64) * e_stride + cols, mask=ok, other=0)
+            w = tl.where(e != 0, 0.0, q)
+        else:
+            w = q
+        tl.store(tot_w_ptr + r * n_chunks + c, tl.sum(w, 0))
+        tl.store(tot_q_ptr + r * n_chunks + c, tl.sum(q, 0))
+
+
 def _use_triton(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
     return triton is not None and (t.is_cuda or _INTERPRET) and compute_dtype == torch.float32
 
@@ -304,27 +337,21 @@ def rejection_sample_vocab_parallel(
     x_star = torch.where(rejected, x[b_idx, t_star.clamp(max=max(L - 1, 0))] if L else -1, -1)
     x_star_ok = (x_star >= 0) & (x_star < vocab_size)
 
-    # ---- the final row's sampling weights on this shard --------------------------------------
+    # ---- the final token from the final row's residual (its weights formed on this shard) -------
+    rows_star = torch.where(row_ok[b_idx, t_star], row_idx[b_idx, t_star], -1)
     m_star, s_star = row_max[b_idx, t_star], row_sum[b_idx, t_star]
-    lg_star = sanitize_logits(_rows(target_logits, row_idx[b_idx, t_star]).to(compute_dtype))  # [B, V_local]
-    lg_star.masked_fill_(~row_ok[b_idx, t_star][:, None], _NEG_INF)
-    q_star = torch.where(lg_star > _NEG_INF,
-                         ((lg_star - torch.where(m_star > _NEG_INF, m_star, 0.0)[:, None]) * inv_temp[:, None]).exp()
-                         / s_star.clamp(min=1e-38)[:, None], 0.0)
-    if draft_probs is not None:
-        p_star = _rows(draft_probs, cu[:-1] + t_star).to(compute_dtype)
-        residual = torch.nan_to_num(torch.where(q_star > 0, (q_star - p_star).clamp(min=0), 0.0), nan=0.0)
-        weights = torch.where((rejected & x_star_ok)[:, None], residual, q_star)
-        fallback = q_star  # a residual without mass: q itself, same noise
+    if draft_probs is not None and N > 0:
+        final = _FinalRows(target_logits, rows_star, m_star, s_star, inv_temp, lo, compute_dtype, probs=draft_probs,
+                           prob_rows=(cu[:-1] + t_star).clamp(0, N - 1),
+                           a=torch.ones(B, dtype=compute_dtype, device=device), use_residual=rejected & x_star_ok)
+        # a residual without mass: q itself, same noise (both rows in the same three collectives)
+        token, fallback = _sample_sharded(final, True, seeds, offsets, t_star, lo, hi, vocab_size, group)
+        token = torch.where(token < 0, fallback, token)
     else:
-        weights = torch.where((lane + lo)[None, :] == x_star[:, None], 0.0, q_star)
-        fallback = None  # q minus the draft is empty only for a point mass: its argmax
-    if fallback is not None:  # both rows in one call: the same three collectives
-        both = _sample_sharded(torch.cat([weights, fallback]), seeds.repeat(2), offsets.repeat(2), t_star.repeat(2),
-                               lo, hi, vocab_size, group)
-        token = torch.where(both[:B] < 0, both[B:], both[:B])
-    else:
-        token = _sample_sharded(weights, seeds, offsets, t_star, lo, hi, vocab_size, group)
+        excluded = (lane[None, :] + lo) == x_star[:, None] if draft_probs is None else None
+        final = _FinalRows(target_logits, rows_star, m_star, s_star, inv_temp, lo, compute_dtype, excluded=excluded)
+        token, _ = _sample_sharded(final, False, seeds, offsets, t_star, lo, hi, vocab_size, group)
+        # q minus the draft is empty only for a point mass: its argmax
         token = torch.where(token < 0, argmax[b_idx, t_star], token)
     token = torch.where(greedy, argmax[b_idx, t_star], token)
 
@@ -334,21 +361,93 @@ def rejection_sample_vocab_parallel(
     return out.to(torch.int32), t_star.to(torch.int32)
 
 
-def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: int, vocab_size: int, group):
-    """``reference.chunked_categorical`` of the global row whose entries [lo, hi) are ``weights``
-    [B, hi - lo] on this rank: same chunks, same noise, same token (-1 without mass)."""
-    device = weights.device
-    B = weights.shape[0]
-    dtype = weights.dtype
-    weights = torch.nan_to_num(weights, nan=0.0).clamp(min=0)
-    # Chunks this shard touches, and the global chunk of each local entry.
+class _FinalRows:
+    """The final rows' sampling weights on this shard, computed from the raw shard on demand
+    (never materialized on CUDA): q = exp((l - max) / T) / sum with the global statistics, and
+    w = the residual: (q - a p)+ where ``use_residual`` (zero where q = 0, NaN -> 0, as the
+    reference), q without the ``excluded`` columns, or q itself.
+
+    logits [*, V_local] with ``rows`` [R] (-1: no row); probs with ``prob_rows`` [R] or None;
+    excluded [R, V_local] bool or None; row_max, row_sum, inv_t, a [R] float; use_residual [R].
+    """
+
+    def __init__(self, logits, rows, row_max, row_sum, inv_t, lo, compute_dtype, *, probs=None, prob_rows=None,
+                 a=None, use_residual=None, excluded=None):
+        self.logits, self.rows, self.lo, self.cd = logits, rows.contiguous(), lo, compute_dtype
+        self.row_max, self.row_sum, self.inv_t = row_max.contiguous(), row_sum.contiguous(), inv_t.to(compute_dtype)
+        self.probs, self.prob_rows, self.excluded = probs, prob_rows, excluded
+        self.a, self.use_residual = a, use_residual
+        self.R, self.v_local = rows.shape[0], logits.shape[1]
+
+    def entries(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w, q) at the local columns ``cols`` [R, C] (in range)."""
+        if self.logits.shape[0] == 0:
+            lg = torch.full(cols.shape, _NEG_INF, dtype=self.cd, device=cols.device)
+        else:
+            lg = sanitize_logits(self.logits[self.rows.clamp(min=0)[:, None], cols].to(self.cd))
+            lg = torch.where((self.rows >= 0)[:, None], lg, _NEG_INF)
+        shift = torch.where(self.row_max > _NEG_INF, self.row_max, 0.0)
+        q = torch.where(lg > _NEG_INF, ((lg - shift[:, None]) * self.inv_t[:, None]).exp()
+                        / self.row_sum.clamp(min=torch.finfo(self.cd).tiny)[:, None], 0.0)
+        if self.probs is not None:
+            p = self.probs[self.prob_rows[:, None], cols].to(self.cd)
+            res = torch.where(q > 0, torch.nan_to_num((q - self.a[:, None] * p).clamp(min=0), nan=0.0), 0.0)
+            w = torch.where(self.use_residual[:, None], res, q)
+        elif self.excluded is not None:
+            w = torch.where(self.excluded.gather(1, cols), 0.0, q)
+        else:
+            w = q
+        return w, q
+
+    def chunk_totals(self, c_first: int, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of w and of q over this shard's part of the global chunks c_first .. + n_chunks."""
+        R, v_local, device = self.R, self.v_local, self.logits.device
+        if n_chunks == 0 or R == 0:
+            z = torch.zeros(R, n_chunks, dtype=self.cd, device=device)
+            return z, z.clone()
+        if _use_triton(self.logits, self.cd) and self.logits.stride(1) == 1 and \
+                (self.probs is None or self.probs.stride(1) == 1):
+            tot_w = torch.empty(R, n_chunks, dtype=torch.float32, device=device)
+            tot_q = torch.empty_like(tot_w)
+            has_probs = self.probs is not None
+            has_excl = self.excluded is not None and not has_probs
+            dummy = self.row_max
+            _final_totals_kernel[(R, n_chunks)](
+                self.logits, self.logits.stride(0), self.rows,
+                self.probs if has_probs else dummy, self.probs.stride(0) if has_probs else 0,
+                self.prob_rows.contiguous() if has_probs else self.rows,
+                self.excluded.view(torch.uint8) if has_excl else dummy,
+                self.excluded.stride(0) if has_excl else 0,
+                self.row_max, self.row_sum, self.inv_t.contiguous(),
+                self.a.contiguous() if has_probs else dummy,
+                self.use_residual.to(torch.int32).contiguous() if has_probs else self.rows,
+                tot_w, tot_q, v_local, self.lo, c_first, n_chunks,
+                HAS_PROBS=has_probs, HAS_EXCL=has_excl, CHUNK=SAMPLE_CHUNK, num_warps=2)
+            return tot_w, tot_q
+        cols = torch.arange(v_local, device=device)[None, :].expand(R, v_local)
+        w, q = self.entries(cols)
+        front = self.lo - c_first * SAMPLE_CHUNK
+        back = n_chunks * SAMPLE_CHUNK - front - v_local
+        return tuple(torch.nn.functional.pad(t, (front, back)).view(R, n_chunks, SAMPLE_CHUNK).sum(-1) for t in (w, q))
+
+
+def _sample_sharded(final: _FinalRows, with_q: bool, seeds, offsets, nodes, lo: int, hi: int, vocab_size: int,
+                    group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``reference.chunked_categorical`` of each final row's global w (and, ``with_q``, of q with
+    the same noise): same chunks, same noise, same token (-1 without mass). Three collectives;
+    only the winning chunk's entries are ever formed in full."""
+    R = final.R
+    device = final.logits.device
+    B = 2 * R if with_q else R
+    dtype = final.cd
+    # Chunks this shard touches (the first and last may be shared with the neighbours).
     c_first = lo // SAMPLE_CHUNK
     c_last = (hi - 1) // SAMPLE_CHUNK if hi > lo else c_first - 1
     n_local_chunks = max(c_last - c_first + 1, 0)
-    lane_chunk = (torch.arange(lo, hi, device=device) // SAMPLE_CHUNK) - c_first
-    part = torch.zeros(B, n_local_chunks, dtype=dtype, device=device)
-    if n_local_chunks:
-        part.index_add_(1, lane_chunk, weights)
+    tot_w, tot_q = final.chunk_totals(c_first, n_local_chunks)
+    part = torch.cat([tot_w, tot_q]) if with_q else tot_w  # [B, n_local_chunks]
+    part = torch.nan_to_num(part.to(dtype), nan=0.0).clamp(min=0)
+    seeds, offsets, nodes = ((t.repeat(2) if with_q else t) for t in (seeds, offsets, nodes))
     # ---- collective 2: the partial sums of the (at most two) edge chunks of every shard -----
     edges = torch.stack([
         torch.full((B,), float(c_first), dtype=dtype, device=device),
@@ -406,16 +505,34 @@ def _sample_sharded(weights: torch.Tensor, seeds, offsets, nodes, lo: int, hi: i
         before += torch.where((cnt >= 2) & (el.to(torch.int64) == winner), pl, 0.0)
     w0, _ = _philox01(seeds, offsets, STREAM_SAMPLE, nodes, winner)
     threshold = uniform_from_word(w0, dtype) * win_total
-    in_win = (lane_chunk[None, :] + c_first) == winner[:, None]
-    w_win = torch.where(in_win, weights, 0.0)
+    # The winning chunk's entries on this shard: SAMPLE_CHUNK columns per row.
+    gcol = winner[:, None] * SAMPLE_CHUNK + torch.arange(SAMPLE_CHUNK, device=device)[None, :]  # global ids
+    valid = in_shard[:, None] & (gcol >= lo) & (gcol < hi)
+    cols = (gcol - lo).clamp(0, max(hi - lo - 1, 0))
+    if hi > lo:
+        if with_q:
+            w_a, _ = final.entries(cols[:R])
+            _, q_b = final.entries(cols[R:])
+            w_win = torch.cat([w_a, q_b])
+        else:
+            w_win, _ = final.entries(cols)
+        w_win = torch.where(valid, torch.nan_to_num(w_win.to(dtype), nan=0.0).clamp(min=0), 0.0)
+    else:
+        w_win = torch.zeros(B, SAMPLE_CHUNK, dtype=dtype, device=device)
     prefix = before[:, None] + w_win.cumsum(-1)
-    hit = in_win & (w_win > 0) & (prefix >= threshold[:, None])
-    first = torch.where(hit, torch.arange(lo, hi, device=device)[None, :], vocab_size).min(-1).values \
-        if hi > lo else torch.full((B,), vocab_size, device=device)
-    first = torch.where(in_shard, first, vocab_size)
-    # ---- collective 4: the token (the lowest crossing over the ranks) ------------------------
-    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
-    return torch.where(found & (first < vocab_size), first, -1)
+    positive = valid & (w_win > 0)
+    hit = positive & (prefix >= threshold[:, None])
+    first = torch.where(hit, gcol, vocab_size).min(-1).values
+    # Rounding may leave the threshold above every prefix (the totals were summed in another
+    # order): then the answer is the chunk's last positive entry, as in exact arithmetic.
+    last = torch.where(positive, gcol, -1).max(-1).values
+    # ---- collective 4: the token (the lowest crossing over the ranks, else the last entry) ---
+    picks = torch.stack([first, -last], -1)
+    dist.all_reduce(picks, op=dist.ReduceOp.MIN, group=group)
+    first, last = picks[:, 0], -picks[:, 1]
+    token = torch.where(first < vocab_size, first, last)
+    token = torch.where(found & (token >= 0), token, -1)
+    return (token[:R], token[R:]) if with_q else (token, None)
 
 
 def _index_bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -675,24 +792,19 @@ def tree_rejection_sample_vocab_parallel(
     limited = depth >= D  # children not tested: the residual is q itself
 
     # ---- the final token from the stop node's residual (and q as the fallback) ------------------
-    lg_stop = sanitize_logits(target_logits[stop].to(cd))  # [B, V_local]
     m_s, s_s = row_max[stop], row_sum[stop]
-    q_stop = torch.where(lg_stop > _NEG_INF,
-                         ((lg_stop - torch.where(m_s > _NEG_INF, m_s, 0.0)[:, None]) * inv_temp[:, None]).exp()
-                         / s_s.clamp(min=tiny)[:, None], 0.0)
     if draft_probs is not None:
         a_fin = torch.where(limited, 0.0, a_tab[stop, n_children[stop].clamp(max=a_tab.shape[1] - 1)])
-        w = (q_stop - a_fin[:, None] * draft_probs[stop].to(cd)).clamp(min=0)
-        w = torch.where(q_stop > 0, torch.nan_to_num(w, nan=0.0), 0.0)
+        final = _FinalRows(target_logits, stop, m_s, s_s, inv_temp, lo, cd, probs=draft_probs, prob_rows=stop,
+                           a=a_fin, use_residual=torch.ones(B, dtype=torch.bool, device=device))
     else:
         kid = child & (par_g == stop[req]) & ~limited[req] & mine
         excluded = torch.zeros(B, v_local + 1, dtype=torch.bool, device=device)
         excluded.index_put_((req, torch.where(kid, x - lo, v_local)), torch.ones_like(kid))
-        w = torch.where(excluded[:, :v_local], 0.0, q_stop)
+        final = _FinalRows(target_logits, stop, m_s, s_s, inv_temp, lo, cd, excluded=excluded[:, :v_local])
     local_stop = torch.where(has_root, stop - cu[:-1], 0)
-    both = _sample_sharded(torch.cat([w, q_stop]), seeds.repeat(2), offsets.repeat(2), local_stop.repeat(2),
-                           lo, hi, vocab_size, group)
-    token = torch.where(both[:B] < 0, both[B:], both[:B])
+    token, fallback = _sample_sharded(final, True, seeds, offsets, local_stop, lo, hi, vocab_size, group)
+    token = torch.where(token < 0, fallback, token)
     token = torch.where(greedy, argmax[stop], token)
     token = torch.where(has_root, token, -1)
     out.scatter_(1, depth[:, None], token[:, None])
