@@ -1,13 +1,14 @@
-"""Vocabulary-parallel chain verification over torch.distributed.
+"""Vocabulary-parallel verification (chains and trees) over torch.distributed.
 
 When the target's LM head is tensor-parallel, each rank holds the logits of one contiguous
-vocabulary shard ``[vocab_start, vocab_start + V_local)``. Engines usually all-gather
-B*(K+1)*V logits to sample; verification only needs per-row statistics and one sampled token
-per request, so here the shards stay where they are and the ranks exchange O(B*(K+1)) numbers
+vocabulary shard ``[vocab_start, vocab_start + V_local)``. Engines usually all-gather the
+[rows, V] logits to sample; verification only needs per-row statistics and one sampled token
+per request, so here the shards stay where they are and the ranks exchange O(rows) numbers
 (plus a few per request and rank) in four small collectives:
 
-1. all_gather of per-row (max, sum of exp((l - max)/T), first argmax, l(x_t)) and per-draft
-   p(x_t): every rank then runs the same accept tests (docs/ALGORITHM.md §1) and finds t*;
+1. all_gather of per-row (max, sum of exp((l - max)/T), first argmax) and of each draft's
+   (l(x), p(x)) in the row that scores it: every rank then runs the same accept tests
+   (docs/ALGORITHM.md §1 / §5) and finds where the chain or the tree walk stops;
 2. all_gather of each rank's two edge partial sums of the final row's sampling weights: the
    chunks of 256 entries that straddle shard boundaries get their totals;
 3. all_gather of each rank's best chunk of the race (§3) among the chunks that start in its
@@ -15,11 +16,18 @@ per request, so here the shards stay where they are and the ranks exchange O(B*(
 4. all_reduce(MIN) of the in-chunk inverse-CDF token (each rank offsets its prefix sums by
    the partial sums of the ranks before it inside the chunk).
 
+Trees with draft probabilities add one all_reduce of N numbers per sibling beyond the
+first (the residual mass after j rejected siblings depends on the mass after j - 1):
+``max_children - 1`` rounds between 1 and 2.
+
 The random streams are keyed by the global vocabulary index (chunk c of the global row), so
 every rank draws exactly the noise the single-device op draws, and the outputs equal the
 single-device op's on the gathered logits for the same seeds (except at float near-ties);
-all ranks return the same outputs. The local work is vectorized PyTorch (any device; gloo on
-CPUs, NCCL on GPUs); no host synchronization inside.
+all ranks return the same outputs. Local work: on CUDA tensors a few Triton launches (row
+statistics in one read of the shard, residual masses, per-chunk sums of the final rows'
+weights, the Philox draws) plus small vectorized PyTorch; on CPU tensors (gloo) vectorized
+PyTorch. NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths
+(``max_spec_len`` / ``max_depth``, ``max_children``) and the seeds are given.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ from .philox import (
     philox_words,
     uniform_from_word,
 )
-from .reference import FLT_MAX, _rows, sanitize_logits
+from .reference import _rows, sanitize_logits
 
 try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small torch ops per draw
     import triton
@@ -47,6 +55,8 @@ try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small t
     from .triton_rejection_sample import _sanitize as _tl_sanitize
 except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is used instead
     triton = None
+
+__all__ = ["rejection_sample_vocab_parallel", "tree_rejection_sample_vocab_parallel"]
 
 _NEG_INF = float("-inf")
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -619,8 +629,8 @@ def tree_rejection_sample_vocab_parallel(
         path (it is a property of the tree shape). A value below the true count gives wrong
         tokens for the nodes with more children.
     compute_dtype : torch.dtype
-        Float type of the local arithmetic and of the exchanged statistics (float32 or
-        float64).
+        Float type of the local arithmetic and of the exchanged statistics: float32 (on CUDA
+        tensors the fused Triton kernels) or float64 (vectorized PyTorch).
 
     Returns
     -------
