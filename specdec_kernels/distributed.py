@@ -280,6 +280,8 @@ def rejection_sample_vocab_parallel(
                          f"must lie in [0, vocab_size = {vocab_size})")
     if draft_probs is not None and tuple(draft_probs.shape) != (N, v_local):
         raise ValueError(f"draft_probs must have shape (N, V_local) = ({N}, {v_local}), got {tuple(draft_probs.shape)}")
+    if vocab_size > (1 << 24 if compute_dtype == torch.float32 else 1 << 53):  # ids travel as floats
+        raise ValueError(f"vocab_size = {vocab_size} is too large for token ids in {compute_dtype}: use float64")
     if max_spec_len is None:
         max_spec_len = int((cu_num_draft_tokens[1:] - cu_num_draft_tokens[:-1]).max()) if B else 0
     L = int(max_spec_len)
@@ -545,16 +547,6 @@ def _sample_sharded(final: _FinalRows, with_q: bool, seeds, offsets, nodes, lo: 
     return (token[:R], token[R:]) if with_q else (token, None)
 
 
-def _index_bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An int64 index tensor as the bits of a float tensor of ``dtype`` (4 or 8 bytes), so that it
-    travels bit-exactly in the same collective as the floats (collectives only move bytes)."""
-    return t.to(torch.int32 if dtype.itemsize == 4 else torch.int64).view(dtype)
-
-
-def _bits_index(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype.itemsize == 4 else torch.int64).to(torch.int64)
-
-
 def _segment_scan(key: torch.Tensor, values: torch.Tensor):
     """For entries sorted by ``key`` (stable, index order inside a key): each entry's count of
     earlier entries with the same key and its exclusive sum of ``values`` over them.
@@ -677,6 +669,8 @@ def tree_rejection_sample_vocab_parallel(
     _check_request_params(temperature, seeds, offsets, B, device)
     if compute_dtype not in (torch.float32, torch.float64):
         raise TypeError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
+    if vocab_size > (1 << 24 if compute_dtype == torch.float32 else 1 << 53):
+        raise ValueError(f"vocab_size = {vocab_size} is too large for token ids in {compute_dtype}: use float64")
     if max_depth is None:
         counts = cu_num_nodes[1:] - cu_num_nodes[:-1]
         max_depth = max(int(counts.max()) - 1, 0) if B else 0
@@ -726,10 +720,11 @@ def tree_rejection_sample_vocab_parallel(
         p_x = torch.full_like(l_x, _NEG_INF)
 
     # ---- collective 1 ---------------------------------------------------------------------------
-    stats = torch.stack([local_max, local_sum, _index_bits(local_arg, cd), l_x, p_x], -1)  # [N, 5]
+    # (ids travel as floats: exact below 2^24 in float32, checked above)
+    stats = torch.stack([local_max, local_sum, local_arg.to(cd), l_x, p_x], -1)  # [N, 5]
     gathered = _all_gather(stats, group)  # [W, N, 5]
     g_max, g_sum, g_lx, g_px = gathered[..., 0], gathered[..., 1], gathered[..., 3], gathered[..., 4]
-    g_arg = _bits_index(gathered[..., 2].contiguous())
+    g_arg = gathered[..., 2].to(torch.int64)
     row_max = g_max.max(0).values
     row_shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
     live = g_max > _NEG_INF
