@@ -125,7 +125,10 @@ def versions(device) -> dict:
         except Exception:
             commit = "unknown"
     cuda = device.type == "cuda"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-"
+    nccl = "-"
+    if cuda:
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
     return dict(card=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 cuda=torch.version.cuda if cuda else "-", nccl=nccl, commit=commit)
 
