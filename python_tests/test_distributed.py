@@ -1,6 +1,7 @@
 """Vocabulary-parallel verification over torch.distributed (gloo, spawned CPU processes):
 every rank returns the single-device op's tokens on the gathered logits, for shards of any
-size (V not divisible by the world size, shards smaller than a sampling chunk)."""
+size (V not divisible by the world size, shards smaller than a sampling chunk), for chains
+and for trees."""
 import os
 import tempfile
 
@@ -10,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import specdec_kernels
-from specdec_kernels.distributed import rejection_sample_vocab_parallel
-from utils import random_batch
+from specdec_kernels.distributed import rejection_sample_vocab_parallel, tree_rejection_sample_vocab_parallel
+from utils import TRITON_ON_CPU, random_batch
 
 CASES = [
     # (world size, vocab, draft probabilities, batch)
@@ -34,30 +35,297 @@ def _shard_bounds(vocab: int, world: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _worker(rank, world, init_file, case_index, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _chain_call(rank, world, case_index):
     _, vocab, probs, batch = CASES[case_index]
-    args = random_batch(batch, 4, vocab, draft_probs=probs, seed=100 + case_index)
-    logits, ids, cu, draft_probs, temp, seeds, offs, k = args
+    logits, ids, cu, draft_probs, temp, seeds, offs, k = random_batch(batch, 4, vocab, draft_probs=probs,
+                                                                      seed=100 + case_index)
     lo, hi = _shard_bounds(vocab, world)[rank]
-    out, num = rejection_sample_vocab_parallel(
+    return rejection_sample_vocab_parallel(
         logits[:, lo:hi].contiguous(), ids, cu, None if draft_probs is None else draft_probs[:, lo:hi].contiguous(),
         temp, seeds, offs, k, vocab_start=lo, vocab_size=vocab)
-    torch.save((out, num), os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# Without a GPU, conftest runs Triton in its interpreter: these cases take the Triton paths of
+# the vocab-parallel ops (fused Philox, row statistics, residual masses; what CUDA tensors
+# run), the others the torch paths (what CPU tensors run). The interpreter is slow.
+TRITON_CHAIN_CASES = {2, 3}
+TRITON_TREE_CASES = {(2, 0), (2, 2), (2, 4), (3, 1), (3, 3)}
+
+
+def _select_path(triton_path: bool) -> None:
+    from specdec_kernels import distributed
+    distributed._INTERPRET = triton_path and TRITON_ON_CPU
+
+
+def _worker(rank, world, init_file, out_dir):
+    """Every chain and tree case of this world size in one process group (spawning dominates)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    chain = {}
+    for i, case in enumerate(CASES):
+        if case[0] == world:
+            _select_path(i in TRITON_CHAIN_CASES)
+            chain[i] = _chain_call(rank, world, i)
+    tree = _tree_calls(rank, world)
+    residual = _residual_call(rank, world)
+    torch.save((chain, tree, residual), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+_SPAWNED = {}
+
+
+def _results(world):
+    """[(chain results by case, tree results, residual-case result)] per rank, one spawn per
+    world size and session."""
+    if world not in _SPAWNED:
+        with tempfile.TemporaryDirectory() as out_dir:
+            init_file = os.path.join(out_dir, "init")
+            mp.spawn(_worker, args=(world, init_file, out_dir), nprocs=world, join=True)
+            _SPAWNED[world] = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return _SPAWNED[world]
 
 
 @pytest.mark.parametrize("case_index", range(len(CASES)))
 def test_vocab_parallel_equals_single_device(case_index):
     world, vocab, probs, batch = CASES[case_index]
-    with tempfile.TemporaryDirectory() as out_dir:
-        init_file = os.path.join(out_dir, "init")
-        mp.spawn(_worker, args=(world, init_file, case_index, out_dir), nprocs=world, join=True)
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    results = [chain[case_index] for chain, _, _ in _results(world)]
     for out, num in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(num, results[0][1]), "ranks disagree"
     args = random_batch(batch, 4, vocab, draft_probs=probs, seed=100 + case_index)
     ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
     same = (results[0][0] == ref_out).all(1) & (results[0][1] == ref_num)
     assert same.float().mean() >= 0.999, f"{int((~same).sum())} of {batch} requests differ from the single-device op"
+
+
+# --- trees -----------------------------------------------------------------------------------
+
+# world size -> configurations run by one spawn: (vocab, draft probabilities, max_depth,
+# shard bounds or None for the ragged split, compute dtype, pass max_children, bushy: many
+# children per node and few boosted drafts, so that walks often stop after several
+# rejections at one node, the case of the residual-mass rounds)
+TREE_CASES = {
+    2: [(1000, False, 2, None, torch.float32, True, False),
+        (9000, True, 4, None, torch.float32, False, False),
+        (7, True, 5, None, torch.float32, True, False),      # tiny vocabulary: repeated i.i.d. children
+        (5, False, 6, None, torch.float64, False, False),    # duplicate siblings of deterministic drafts
+        (60, True, 3, None, torch.float32, True, True)],
+    3: [(1025, True, 2, None, torch.float32, True, False),
+        (600, False, 3, None, torch.float32, True, False),
+        (300, True, 6, [(0, 1), (1, 257), (257, 300)], torch.float32, False, False),  # a 1-entry shard
+        (700, False, 4, [(0, 0), (0, 512), (512, 700)], torch.float32, True, False),  # an empty shard
+        (300, True, 3, [(0, 100), (100, 280), (280, 300)], torch.float32, False, True)],
+}
+TREE_BATCH = 40
+
+
+def _tree_batch(vocab, probs, seed, batch=TREE_BATCH, bushy=False):
+    """Random ragged trees (some malformed links and ids), children often the parent row's
+    likely tokens; drafts i.i.d. from the draft row (probs) or mostly distinct (top-k like)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 11, (batch,), generator=g)
+    counts[:2] = torch.tensor([0, 1])
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = counts.cumsum(0)
+    n = int(cu[-1])
+    logits = torch.randn(n, vocab, generator=g) * 2
+    logits[torch.rand(n, vocab, generator=g) < 0.1] = float("-inf")
+    logits[0, 0] = float("nan")
+    logits[1, -1] = float("inf")
+    p = torch.softmax(torch.randn(n, vocab, generator=g) * 2, -1)
+    parents = torch.full((n,), -1, dtype=torch.int32)
+    tokens = torch.zeros(n, dtype=torch.int64)
+    for b in range(batch):
+        s = int(cu[b])
+        for j in range(1, int(counts[b])):
+            if bushy:
+                par = 0 if torch.rand(1, generator=g) < 0.6 else int(torch.randint(0, j, (1,), generator=g))
+            else:
+                par = j - 1 if torch.rand(1, generator=g) < 0.4 else int(torch.randint(0, j, (1,), generator=g))
+            parents[s + j] = par
+            row = s + par
+            if probs:
+                tokens[s + j] = int(torch.multinomial(p[row], 1, generator=g))
+            else:  # the next untaken token of the draft's ranking, sometimes a repeat
+                taken = tokens[s + 1:s + j][parents[s + 1:s + j] == par].tolist()
+                ranked = [t for t in torch.argsort(p[row], descending=True).tolist() if t not in taken]
+                tok = ranked[0] if (ranked and torch.rand(1, generator=g) < 0.7) or not taken else taken[0]
+                tokens[s + j] = tok
+            if torch.rand(1, generator=g) < (0.1 if bushy else 0.6):
+                logits[row, tokens[s + j]] = logits[row].nan_to_num(nan=0, posinf=0, neginf=0).max() + 1.0
+    if n > 12:
+        tokens[5] = vocab + 3   # invalid ids
+        tokens[9] = -1
+        parents[7] = 40         # parent >= child
+    temperature = torch.rand(batch, generator=g) * 1.4 + 0.3
+    temperature[torch.rand(batch, generator=g) < 0.3] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=g)
+    offsets = torch.randint(0, 2**40, (batch,), generator=g)
+    return logits, tokens, parents, cu, (p if probs else None), temperature, seeds, offsets
+
+
+def _max_children(parents, cu):
+    counts = {}
+    for b in range(cu.shape[0] - 1):
+        for j in range(int(cu[b]) + 1, int(cu[b + 1])):
+            counts[(b, int(parents[j]))] = counts.get((b, int(parents[j])), 0) + 1
+    return max(counts.values(), default=0)
+
+
+def _tree_calls(rank, world):
+    results = []
+    for i, (vocab, probs, depth, bounds, dtype, pass_max_children, bushy) in enumerate(TREE_CASES[world]):
+        _select_path((world, i) in TRITON_TREE_CASES)
+        logits, tokens, parents, cu, p, temp, seeds, offs = _tree_batch(vocab, probs, seed=10 * world + i,
+                                                                        bushy=bushy)
+        lo, hi = (bounds or _shard_bounds(vocab, world))[rank]
+        results.append(tree_rejection_sample_vocab_parallel(
+            logits[:, lo:hi].contiguous(), tokens, parents, cu, None if p is None else p[:, lo:hi].contiguous(),
+            temp, seeds, offs, depth, vocab_start=lo, vocab_size=vocab, compute_dtype=dtype,
+            max_children=_max_children(parents, cu) if pass_max_children else None))
+    # Seeds drawn inside (rank 0 broadcasts them): still identical on every rank.
+    _select_path(False)
+    logits, tokens, parents, cu, p, temp, _, _ = _tree_batch(100, True, seed=7)
+    lo, hi = _shard_bounds(100, world)[rank]
+    results.append(tree_rejection_sample_vocab_parallel(
+        logits[:, lo:hi], tokens, parents, cu, p[:, lo:hi], temp, max_depth=4, vocab_start=lo, vocab_size=100))
+    return results
+
+
+@pytest.mark.parametrize("world", sorted(TREE_CASES))
+def test_tree_vocab_parallel_equals_single_device(world):
+    results = [tree for _, tree, _ in _results(world)]
+    for other in results[1:]:
+        for got, ref in zip(other, results[0]):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), "ranks disagree"
+    for i, (vocab, probs, depth, _, _, _, bushy) in enumerate(TREE_CASES[world]):
+        args = _tree_batch(vocab, probs, seed=10 * world + i, bushy=bushy)
+        ref = specdec_kernels.tree_rejection_sample(*args, depth)
+        out, nodes, num = results[0][i]
+        same = (out == ref[0]).all(1) & (nodes == ref[1]).all(1) & (num == ref[2])
+        assert same.float().mean() >= 0.999, \
+            f"case {i}: {int((~same).sum())} of {TREE_BATCH} requests differ from the single-device op"
+        assert int(num.sum()) > TREE_BATCH // 4, "walks too shallow to exercise the tree"  # test-strength check
+
+
+def _residual_batch(batch=300):
+    """One small tree repeated with different seeds: a root whose three i.i.d. children are
+    usually rejected (tokens with q/p <= 0.1), so the final token comes from (q - a p)+ with
+    a = 1 + N_1 + N_2 ~ 1.7, among tokens whose ratios q/p (3, 2.2, 1.8, 1.3) straddle it:
+    its law moves with every residual mass."""
+    q_logits = torch.tensor([0.3, 0.22, 0.18, 0.26, 0.03, 0.01]).log()
+    p = torch.tensor([0.1, 0.1, 0.1, 0.2, 0.3, 0.2])
+    n = 5  # root, children with tokens 4 5 4, and a grandchild under the first child
+    logits = q_logits.repeat(batch * n, 1)
+    probs = p.repeat(batch * n, 1)
+    tokens = torch.tensor([0, 4, 5, 4, 1]).repeat(batch)
+    parents = torch.tensor([-1, 0, 0, 0, 1], dtype=torch.int32).repeat(batch)
+    cu = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32)
+    seeds = torch.arange(batch, dtype=torch.int64) * 7919 + 11
+    return logits, tokens, parents, cu, probs, torch.ones(batch), seeds, None, 2
+
+
+def _residual_call(rank, world):
+    logits, tokens, parents, cu, probs, temp, seeds, offs, depth = _residual_batch()
+    lo, hi = _shard_bounds(6, world)[rank]
+    _select_path(world == 2)  # world 2: the Triton path (in the interpreter), world 3: torch
+    return tree_rejection_sample_vocab_parallel(logits[:, lo:hi].contiguous(), tokens, parents, cu,
+                                                probs[:, lo:hi].contiguous(), temp, seeds, offs, depth,
+                                                vocab_start=lo, vocab_size=6, max_children=3)
+
+
+@pytest.mark.parametrize("world", sorted(TREE_CASES))
+def test_tree_vocab_parallel_residual_after_several_rejections(world):
+    results = [residual for _, _, residual in _results(world)]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other, results[0])), "ranks disagree"
+    ref = specdec_kernels.tree_rejection_sample(*_residual_batch())
+    out, nodes, num = results[0]
+    stopped_at_root = int((num == 0).sum())
+    assert stopped_at_root > 200, "test-strength check: the root's children should usually be rejected"
+    same = (out == ref[0]).all(1) & (nodes == ref[1]).all(1) & (num == ref[2])
+    assert same.float().mean() >= 0.999, f"{int((~same).sum())} of {same.numel()} requests differ"
+
+
+def test_tree_vocab_parallel_input_errors():
+    """Malformed inputs raise before any collective (no process group needed)."""
+    logits, tokens, parents, cu, p, temp, seeds, offs = _tree_batch(50, True, seed=1, batch=4)
+    shard = logits[:, :20]
+    kwargs = dict(vocab_start=0, vocab_size=50)
+    with pytest.raises(ValueError, match="parents must have one entry per node"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents[:-1], cu, max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match=r"draft_probs must have shape \(N, V_local\)"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, p, max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match="shard .* must lie in"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, max_depth=3, vocab_start=40, vocab_size=50)
+    with pytest.raises(TypeError, match="tokens must have dtype"):
+        tree_rejection_sample_vocab_parallel(shard, tokens.float(), parents, cu, max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match="temperature must have shape"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, None, temp[:2], max_depth=3, **kwargs)
+    with pytest.raises(ValueError, match="max_children must be >= 0"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, max_depth=3, max_children=-1, **kwargs)
+    # Too small a max_children gives wrong tokens; the validation mode says so before any collective.
+    widest = _max_children(parents, cu)
+    assert widest >= 2
+    with pytest.raises(ValueError, match=f"max_children = {widest - 1}, but node .* has {widest} children"):
+        tree_rejection_sample_vocab_parallel(shard, tokens, parents, cu, p[:, :20], max_depth=3,
+                                             max_children=widest - 1, validate=True, **kwargs)
+
+
+def test_fused_philox_equals_torch_philox():
+    """The one-launch Philox of the vocab-parallel ops (Triton: on CUDA, or in the interpreter
+    that conftest switches on without a GPU) draws the torch Philox's words bit for bit."""
+    from specdec_kernels.distributed import _philox01
+    from specdec_kernels.philox import philox_words
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (7, 1), generator=g, dtype=torch.int64)
+    offsets = torch.randint(0, 2**62, (7, 1), generator=g, dtype=torch.int64)
+    nodes = torch.randint(0, 2**25, (7, 1), generator=g)
+    lanes = torch.arange(600)[None, :]
+    for stream in (0, 1):
+        got = _philox01(*(t.to(device) for t in (seeds, offsets)), stream, nodes.to(device), lanes.to(device))
+        want = philox_words(seeds, offsets, stream, nodes, lanes)[:2]
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or TRITON_ON_CPU), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_row_stats_and_residual_mass_equal_torch(dtype):
+    """The Triton row statistics and residual masses (the CUDA path) agree with the torch ones."""
+    from specdec_kernels import distributed
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 9, 2500
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[0] = float("-inf")                    # no valid logit
+    logits[1, 7] = float("nan")
+    logits[2, [5, 2000]] = float("inf")          # ties at FLT_MAX: the first wins
+    logits[3, [100, 1800]] = 50.0                # exact tie
+    logits[4, 1500:] = float("-inf")
+    logits = logits.to(dtype).to(device)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g), -1).to(device)
+    idx = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, -1, 3], device=device)
+    inv_t = torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0, 1.0, 0.7, 1.0, 1.0, 1.0, 5.0], device=device)
+    lo = 1000
+    results = []
+    for triton_path in (True, False):
+        saved = distributed._INTERPRET
+        distributed._INTERPRET = triton_path and TRITON_ON_CPU
+        try:
+            # (on CUDA the torch path needs a non-unit column stride to be taken)
+            src = logits if triton_path or not torch.cuda.is_available() else logits.t().contiguous().t()
+            stats = distributed._row_stats(src, idx, inv_t, lo, 99999, torch.float32)
+            a = torch.linspace(1.0, 1.8, rows, device=device)
+            psrc = probs if triton_path or not torch.cuda.is_available() else probs.t().contiguous().t()
+            mass = distributed._residual_mass(src, psrc, stats[0][:rows], stats[1][:rows], inv_t[:rows], a,
+                                              torch.ones(rows, dtype=torch.bool, device=device), torch.float32)
+        finally:
+            distributed._INTERPRET = saved
+        results.append((stats, mass))
+    (m1, s1, a1), mass1 = results[0]
+    (m2, s2, a2), mass2 = results[1]
+    assert torch.equal(m1, m2) and torch.equal(a1, a2)
+    assert a1[0].item() == 99999 and a1[2].item() == lo + 5 and a1[3].item() == lo + 100 and a1[9].item() == 99999
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=0)
+    torch.testing.assert_close(mass1, mass2, rtol=1e-5, atol=1e-7)
