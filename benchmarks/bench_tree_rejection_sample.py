@@ -37,7 +37,27 @@ from specdec_kernels import ops  # noqa: E402
 TREES = {
     8: [-1, 0, 0, 0, 1, 1, 2, 4],                                  # depth 3
     16: [-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 5, 5, 6, 8, 11],         # depth 4
+    64: None,  # depth 6, the tree issue's bar shape: built below
 }
+
+
+def _bar_tree() -> list[int]:
+    """64 nodes, depth 6: root with 4 children, then nodes of each level in order get children
+    (4, 4, 3, 3, 2, 2, 1, ...) until the level budget (4, 12, 18, 14, 10, 5 nodes per level) is spent."""
+    parents, level = [-1], [0]
+    for budget in (4, 12, 18, 14, 10, 5):
+        nxt = []
+        for i, node in enumerate(level):
+            for _ in range(max(4 - i // 2, 1)):
+                if len(nxt) < budget:
+                    parents.append(node)
+                    nxt.append(len(parents) - 1)
+        level = nxt
+    assert len(parents) == 64, len(parents)
+    return parents
+
+
+TREES[64] = _bar_tree()
 
 
 def tree_depth(parents: list[int]) -> int:
