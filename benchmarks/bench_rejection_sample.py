@@ -1,10 +1,11 @@
 """Benchmark of chain verification against the memory floor and the baselines.
 
 For each configuration (B requests, K drafts each, vocabulary V, logits dtype, draft
-probabilities given or not) it reports:
+probabilities given or not, verification method) it reports:
 - floor_us: every target logit row read once (B*(K+1)*V*elem) plus, with draft
-  probabilities, one draft row per request, over the card's measured copy bandwidth
-  (a device-to-device copy, bytes read + written) -- DESIGN.md section 4;
+  probabilities, one draft row per request (token verification) or every draft row
+  (block verification: B*K rows), over the card's measured copy bandwidth (a
+  device-to-device copy, bytes read + written) -- DESIGN.md section 4;
 - graph_us: GPU time per call, from a CUDA graph of several calls on distinct input sets
   (replay time / calls; L2 flushed before each replay), i.e. without launch overhead;
 - eager_us: a call from Python (do_bench median, L2 flushed before each call), which
@@ -16,6 +17,9 @@ Writes <out>/bench_rejection_sample.csv (card, versions and commit on every row)
 
     python benchmarks/bench_rejection_sample.py --out bench_out            # the core table
     python benchmarks/bench_rejection_sample.py --sweep full --out bench_out
+    python benchmarks/bench_rejection_sample.py --methods token --out bench_out  # token verification only
+
+The PyTorch pipeline (and FlashInfer) verify token by token: they are timed in token rows only.
 """
 from __future__ import annotations
 
@@ -83,13 +87,13 @@ def make_inputs(batch, k, vocab, dtype, draft_probs, seed):
     )
 
 
-def our_call(inp, k, backend):
+def our_call(inp, k, backend, method="token"):
     return lambda: specdec_kernels.rejection_sample(
         inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"],
-        inp["temperature"], inp["seeds"], inp["offsets"], k, backend=backend)
+        inp["temperature"], inp["seeds"], inp["offsets"], k, method, backend=backend)
 
 
-def pipeline_call(inp, _k, _backend):
+def pipeline_call(inp, _k, _backend, _method="token"):
     return lambda: torch_pipeline(inp["padded_logits"], inp["padded_drafts"], inp["padded_probs"], inp["temperature"])
 
 
@@ -111,10 +115,13 @@ def time_graph(fns) -> float:
     return ms * 1e3 / len(fns)
 
 
-def floor_us(batch, k, vocab, dtype, draft_probs, bandwidth) -> float:
+def floor_us(batch, k, vocab, dtype, draft_probs, bandwidth, method="token") -> float:
+    """Bytes that must cross HBM once over the copy bandwidth: every target row, and with draft
+    probabilities the rejected row's draft row (token) or every draft row (block: each R_i
+    needs its own draft row, docs/ALGORITHM.md §6)."""
     nbytes = batch * (k + 1) * vocab * DTYPES[dtype].itemsize
     if draft_probs:
-        nbytes += batch * vocab * 4
+        nbytes += batch * (k if method == "block" else 1) * vocab * 4
     return nbytes / bandwidth * 1e6
 
 
@@ -146,7 +153,12 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--backends", default=None, help="comma list; default: every built GPU backend + torch")
     ap.add_argument("--max-graph-calls", type=int, default=16)
+    ap.add_argument("--methods", default="token,block",
+                    help="comma list of verification methods (token, block); default: both")
     args = ap.parse_args()
+    methods = args.methods.split(",")
+    if not methods or any(m not in ("token", "block") for m in methods):
+        ap.error(f"--methods takes token and/or block, got {args.methods!r}")
     os.makedirs(args.out, exist_ok=True)
     status = specdec_kernels.available_backends()
     backends = args.backends.split(",") if args.backends else \
@@ -161,24 +173,26 @@ def main():
 
     rows = []
     for batch, k, vocab, dtype, probs in configs(args.sweep):
-        floor = floor_us(batch, k, vocab, dtype, probs, bandwidth)
         set_bytes = batch * (k + 1) * vocab * (DTYPES[dtype].itemsize + (4 if probs else 0))
         n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
         sets = [make_inputs(batch, k, vocab, DTYPES[dtype], probs, seed) for seed in range(n_sets)]
         timed = [(b, our_call if b != "torch" else pipeline_call) for b in backends]
         if fi is not None and probs and dtype == "fp32":
-            timed.append(("flashinfer", lambda inp, _k, _b: (lambda: fi[0](
+            timed.append(("flashinfer", lambda inp, _k, _b, _m="token": (lambda: fi[0](
                 inp["padded_logits"], inp["padded_drafts"], inp["padded_probs"], inp["temperature"]))))
-        for backend, make in timed:
-            eager = time_eager(make(sets[0], k, backend))
-            graph = time_graph([make(s, k, backend) for s in sets]) if backend != "flashinfer" else float("nan")
-            row = dict(info, backend=backend, B=batch, K=k, V=vocab, logits_dtype=dtype,
+        for method, (backend, make) in itertools.product(methods, timed):
+            if method != "token" and backend in ("torch", "flashinfer"):
+                continue  # token-by-token verifiers
+            floor = floor_us(batch, k, vocab, dtype, probs, bandwidth, method)
+            eager = time_eager(make(sets[0], k, backend, method))
+            graph = time_graph([make(s, k, backend, method) for s in sets]) if backend != "flashinfer" else float("nan")
+            row = dict(info, backend=backend, method=method, B=batch, K=k, V=vocab, logits_dtype=dtype,
                        draft_probs="fp32" if probs else "none", floor_us=round(floor, 2),
                        graph_us=round(graph, 2), eager_us=round(eager, 2),
                        graph_over_floor=round(graph / floor, 3), eager_over_floor=round(eager / floor, 3),
                        bandwidth_TBps=round(bandwidth / 1e12, 3))
             rows.append(row)
-            print(f"B={batch:4d} K={k} V={vocab} {dtype} draft={row['draft_probs']:4s} {backend:8s} "
+            print(f"B={batch:4d} K={k} V={vocab} {dtype} draft={row['draft_probs']:4s} {method:5s} {backend:8s} "
                   f"floor {floor:8.1f} us  graph {graph:8.1f} us ({graph / floor:5.2f}x)  "
                   f"eager {eager:8.1f} us", flush=True)
         del sets
@@ -197,16 +211,18 @@ def main():
 
 
 def markdown_table(rows, info, bandwidth) -> str:
-    by_key = {(r["B"], r["K"], r["V"], r["logits_dtype"], r["draft_probs"], r["backend"]): r for r in rows}
+    by_key = {(r["B"], r["K"], r["V"], r["logits_dtype"], r["draft_probs"], r["method"], r["backend"]): r
+              for r in rows}
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
              f"triton {info['triton']}, commit {info['commit']}. Times in us; graph = GPU time per call "
-             "in a CUDA graph, eager = called from Python; (x) = ratio to the floor.", ""]
-    head = "| B | K | V | logits | draft | floor |" + "".join(f" {b} graph | {b} eager |" for b in backends)
-    lines += [head, "|" + "---|" * (6 + 2 * len(backends))]
-    for key in dict.fromkeys(k[:5] for k in by_key):
-        first = by_key[key + (backends[0],)]
-        cells = [str(key[0]), str(key[1]), str(key[2]), key[3], key[4], f"{first['floor_us']:.1f}"]
+             "in a CUDA graph, eager = called from Python; (x) = ratio to the floor of the row's method "
+             "(block with draft probabilities reads every draft row).", ""]
+    head = "| B | K | V | logits | draft | method | floor |" + "".join(f" {b} graph | {b} eager |" for b in backends)
+    lines += [head, "|" + "---|" * (7 + 2 * len(backends))]
+    for key in dict.fromkeys(k[:6] for k in by_key):
+        first = next(by_key[key + (b,)] for b in backends if key + (b,) in by_key)
+        cells = [str(key[0]), str(key[1]), str(key[2]), key[3], key[4], key[5], f"{first['floor_us']:.1f}"]
         for b in backends:
             r = by_key.get(key + (b,))
             if r is None:
@@ -232,13 +248,15 @@ def plot(rows, info, path):
         sel = [r for r in rows if r["K"] == 4 and r["V"] == 128256 and r["logits_dtype"] == dtype and r["draft_probs"] == probs]
         if not sel:
             continue
-        bs = sorted({r["B"] for r in sel})
-        floor = {r["B"]: r["floor_us"] for r in sel}
-        ax.plot(bs, [floor[b] for b in bs], "k--", label="memory floor")
-        for backend in dict.fromkeys(r["backend"] for r in sel):
+        for method, style in (("token", "k--"), ("block", "k:")):
+            floor = {r["B"]: r["floor_us"] for r in sel if r["method"] == method}
+            if floor and (method == "token" or probs != "none"):  # without draft rows the floors coincide
+                ax.plot(sorted(floor), [floor[b] for b in sorted(floor)], style, label=f"memory floor ({method})")
+        for backend, method in dict.fromkeys((r["backend"], r["method"]) for r in sel):
             pts = sorted((r["B"], r["graph_us"] if r["graph_us"] == r["graph_us"] else r["eager_us"])
-                         for r in sel if r["backend"] == backend)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{backend} (graph)")
+                         for r in sel if r["backend"] == backend and r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if method == "token" else "s--",
+                    label=f"{backend} {method} (graph)")
         for name, anchor in ANCHORS_H200.items():
             if ("no draft" in name) == (probs == "none"):
                 ax.plot(list(anchor), list(anchor.values()), "x:", alpha=0.6, label=f"{name} [H200, quoted]")

@@ -27,6 +27,7 @@ namespace {
 using specdec::NoDraftProbs;
 using specdec::RejectionSampleParams;
 using specdec::RejectionSamplePlan;
+using specdec::RsMethod;
 
 constexpr const char* kOp = "specdec.rejection_sample (cuda)";
 
@@ -107,7 +108,7 @@ std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_co
 
 // CTAs of an instance the current device runs at once (SMs x resident CTAs per SM, after
 // raising the instance's shared-memory limit), cached per device.
-template <typename T, typename P>
+template <typename T, typename P, RsMethod kMethod>
 int64_t concurrent_ctas(int device_index) {
   static std::mutex mutex;
   static std::vector<int64_t> cache;
@@ -116,7 +117,7 @@ int64_t concurrent_ctas(int device_index) {
   if (cache.size() <= index) cache.resize(index + 1, 0);
   if (cache[index] == 0) {
     int blocks = 0, sms = 0;
-    const cudaError_t prepared = specdec::rejection_sample_prepare<T, P>(&blocks);
+    const cudaError_t prepared = specdec::rejection_sample_prepare<T, P, kMethod>(&blocks);
     C10_CUDA_CHECK(prepared);
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
     cache[index] = int64_t{std::max(blocks, 1)} * std::max(sms, 1);
@@ -130,7 +131,7 @@ struct Call {
   at::Tensor out_tokens, num_accepted;
 };
 
-template <typename T, typename P>
+template <typename T, typename P, RsMethod kMethod>
 void launch(const Call& call) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
   const at::Device device = call.logits.device();
@@ -138,15 +139,17 @@ void launch(const Call& call) {
   const int64_t vocab = call.logits.size(1);
   const RejectionSamplePlan plan =
       specdec::plan_rejection_sample(num_rows, call.num_requests, vocab, call.max_spec_len, kHasDraftProbs,
-                                     concurrent_ctas<T, P>(device.index()));
+                                     concurrent_ctas<T, P, kMethod>(device.index()), kMethod);
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 
-  // Split records, then residual records (256-byte aligned).
+  // Split records, then residual records, then residual masses (each 256-byte aligned).
+  const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   const int64_t residual_offset =
-      (plan.num_split_records * static_cast<int64_t>(sizeof(specdec::RsSplitRecord)) + 255) / 256 * 256;
-  const int64_t record_bytes =
-      residual_offset + plan.num_residual_records * static_cast<int64_t>(sizeof(specdec::RsResidualRecord));
+      aligned(plan.num_split_records * static_cast<int64_t>(sizeof(specdec::RsSplitRecord)));
+  const int64_t masses_offset =
+      residual_offset + aligned(plan.num_residual_records * static_cast<int64_t>(sizeof(specdec::RsResidualRecord)));
+  const int64_t record_bytes = masses_offset + plan.num_residual_masses * static_cast<int64_t>(sizeof(float));
   const auto [counters, records] = workspace(device, plan.num_counters, record_bytes);
 
   RejectionSampleParams p{};
@@ -183,6 +186,7 @@ void launch(const Call& call) {
   p.counters = counters;
   p.split_records = reinterpret_cast<specdec::RsSplitRecord*>(records);
   p.residual_records = reinterpret_cast<specdec::RsResidualRecord*>(records + residual_offset);
+  p.residual_masses = plan.num_residual_masses > 0 ? reinterpret_cast<float*>(records + masses_offset) : nullptr;
   p.num_rows = num_rows;
   p.num_drafts = call.draft_ids.size(0);
   p.vocab_size = static_cast<int32_t>(vocab);
@@ -190,17 +194,26 @@ void launch(const Call& call) {
   p.max_spec_len = static_cast<int32_t>(call.max_spec_len);
   p.plan = plan;
 
-  specdec::launch_rejection_sample<T, P>(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  specdec::launch_rejection_sample<T, P, kMethod>(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T>
+template <typename T, RsMethod kMethod>
 void launch_for_probs(const Call& call) {
-  if (!call.draft_probs.defined()) return launch<T, NoDraftProbs>(call);
+  if (!call.draft_probs.defined()) return launch<T, NoDraftProbs, kMethod>(call);
   switch (call.draft_probs.scalar_type()) {
-    case at::kFloat: return launch<T, float>(call);
-    case at::kBFloat16: return launch<T, __nv_bfloat16>(call);
-    default: return launch<T, __half>(call);
+    case at::kFloat: return launch<T, float, kMethod>(call);
+    case at::kBFloat16: return launch<T, __nv_bfloat16, kMethod>(call);
+    default: return launch<T, __half, kMethod>(call);
+  }
+}
+
+template <RsMethod kMethod>
+void launch_for_dtypes(const Call& call) {
+  switch (call.logits.scalar_type()) {
+    case at::kFloat: return launch_for_probs<float, kMethod>(call);
+    case at::kBFloat16: return launch_for_probs<__nv_bfloat16, kMethod>(call);
+    default: return launch_for_probs<__half, kMethod>(call);
   }
 }
 
@@ -209,9 +222,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method) {
-  TORCH_CHECK(method == "token", kOp, ": method='", std::string(method),
-              "' is not implemented in the CUDA kernel (only 'token'); the Triton kernel has it: "
-              "specdec_kernels.rejection_sample(..., backend='triton'), or backend='auto' which picks it");
+  const bool block_method = method == "block";
+  TORCH_CHECK(method == "token" || block_method, kOp, ": method must be 'token' or 'block', got '",
+              std::string(method), "'");
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
@@ -296,10 +309,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
   call.num_requests = num_requests;
   call.max_spec_len = max_spec_len;
 
-  switch (call.logits.scalar_type()) {
-    case at::kFloat: launch_for_probs<float>(call); break;
-    case at::kBFloat16: launch_for_probs<__nv_bfloat16>(call); break;
-    default: launch_for_probs<__half>(call); break;
+  if (block_method) {
+    launch_for_dtypes<specdec::kRsMethodBlock>(call);
+  } else {
+    launch_for_dtypes<specdec::kRsMethodToken>(call);
   }
   return {call.out_tokens, call.num_accepted};
 }

@@ -164,8 +164,9 @@ def test_block_verification_binary_example(backend, device):
         assert abs(num.mean().item() - expected) < 3 * se, (method, num.mean().item(), expected, se)
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_block_verification_never_accepts_fewer(deterministic):
+def test_block_verification_never_accepts_fewer(backend, device, deterministic):
     """On the same random inputs (Markov pair, K = 4, many seeds), block verification's mean
     number of accepted drafts is at least token verification's."""
     pair = MarkovPair.random(VOCAB, seed=11)
@@ -174,12 +175,13 @@ def test_block_verification_never_accepts_fewer(deterministic):
         accepted = []
 
         def counting(logits, drafts, cu, probs, temp, seeds, offs, k, method=method):
-            out, num = sampler("reference", method)(logits, drafts, cu, probs, temp, seeds, offs, k)
+            out, num = sampler(backend, method)(logits, drafts, cu, probs, temp, seeds, offs, k)
             if int(offs[0]) == 0:
-                accepted.append(num.double())
+                accepted.append(num.double().cpu())
             return out, num
 
-        first_two_tokens(counting, pair, SAMPLES, torch.full((SAMPLES,), 4), 1.0, deterministic, seed=321)
+        first_two_tokens(counting, pair, SAMPLES, torch.full((SAMPLES,), 4), 1.0, deterministic, seed=321,
+                         device=device)
         means[method] = torch.cat(accepted).mean().item()
     se = 4 / SAMPLES ** 0.5
     assert means["block"] > means["token"] - 2 * se, means

@@ -50,13 +50,14 @@ def test_rows_beyond_2_pow_31_elements(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch,k,vocab", [(8, 128, 32000), (4096, 4, 4096), (512, 16, 128256)])
-def test_large_k_and_large_batch(backend, batch, k, vocab):
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_large_k_and_large_batch(backend, batch, k, vocab, method):
     args = random_batch(batch, k, vocab, dtype=torch.bfloat16, draft_probs=batch <= 512, seed=batch + k,
                         device="cuda")
-    out, num = specdec_kernels.rejection_sample(*args, backend=backend)
+    out, num = specdec_kernels.rejection_sample(*args, method=method, backend=backend)
     check_invariants(out, num, args)
     some = list(range(0, batch, max(1, batch // 32)))
-    ref_out, ref_num = specdec_kernels.rejection_sample(*_sub_batch(args, some), backend="reference")
+    ref_out, ref_num = specdec_kernels.rejection_sample(*_sub_batch(args, some), method=method, backend="reference")
     same = (out[some].cpu() == ref_out.cpu()).all(1) & (num[some].cpu() == ref_num.cpu())
     assert same.float().mean() >= 0.95  # near-ties only; the bar of 99.9% is test_backends'
 
@@ -64,7 +65,7 @@ def test_large_k_and_large_batch(backend, batch, k, vocab):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_soak_10000_calls(backend):
     """10,000 calls of random shapes back to back (counters, workspace growth, draft kinds,
-    greedy/random mixes): no CUDA error, invariants hold on a sample of calls."""
+    verification methods, greedy/random mixes): no CUDA error, invariants hold on a sample of calls."""
     g = torch.Generator().manual_seed(0)
     shapes = [(int(torch.randint(1, 64, (1,), generator=g)), int(torch.randint(0, 8, (1,), generator=g)),
                [7, 1000, 32000][int(torch.randint(0, 3, (1,), generator=g))]) for _ in range(64)]
@@ -73,7 +74,8 @@ def test_soak_10000_calls(backend):
     kept = []
     for call in range(10000):
         args = inputs[call % len(inputs)]
-        out, num = specdec_kernels.rejection_sample(*args, backend=backend)
+        method = "block" if call % 3 == 0 else "token"
+        out, num = specdec_kernels.rejection_sample(*args, method=method, backend=backend)
         if call % 997 == 0:
             kept.append((args, out, num))
     torch.cuda.synchronize()

@@ -276,3 +276,46 @@ def test_generate_cli(models, tmp_path, capsys):
     assert generate.main(["--target", str(tmp_path / "target"), "--prompt-lookup", "--prompt", "w5 w6 w5 w6",
                           "--max-new-tokens", "6", "--temperature", "0.8", "--top-k", "5", "--no-baseline"]) == 0
     assert "acceptance" in capsys.readouterr().out
+    assert generate.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
+                          "w5 w9 w3", "--max-new-tokens", "6", "--sample", "--method", "block", "--no-baseline"]) == 0
+    assert "block verification" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--tree", "--method", "block"])  # trees have no block variant
+
+
+# --- block verification (method="block") ---------------------------------------------------------
+
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+def test_block_greedy_equals_target_generate(models, drafter):
+    """Block verification changes only random requests: greedy output is the target's greedy
+    decoding, with sampled-model and deterministic (lookup) drafters alike."""
+    target, draft = models
+    draft = hf.PromptLookupDrafter() if drafter == "prompt-lookup" else draft
+    prompts = PROMPTS + [[1, 3, 4, 5, 3, 4, 5, 3, 4]]
+    result = hf.speculative_generate(target, draft, prompts, max_new_tokens=12, num_draft_tokens=3,
+                                     eos_token_id=[], method="block")
+    for prompt, tokens in zip(prompts, result.tokens):
+        assert tokens == target_greedy(target, prompt, 12, None)
+    assert result.stats.num_draft_tokens > 0
+
+
+def test_block_sampling_follows_target_law_and_accepts_no_fewer(models):
+    """Sampled with block verification, the first two tokens follow the target's law, and
+    the same requests accept at least as many drafts as token verification (up to noise)."""
+    target, draft = models
+    counts, block = first_two_counts(target, draft, 2000, seed=13, temperature=0.8, method="block")
+    assert chi_square_pvalue(counts, exact_first_two(target, PROMPTS[0], 0.8)) > 1e-4
+    _, token = first_two_counts(target, draft, 2000, seed=13, temperature=0.8)
+    # Accepted drafts per request step: each is in [0, 2], so the standard error of a mean over
+    # ~2000 steps is below 2 / sqrt(2000) = 0.045.
+    per_step = {name: s.num_accepted_tokens / s.num_request_steps for name, s in (("block", block), ("token", token))}
+    assert per_step["block"] > per_step["token"] - 2 * 0.045, per_step
+
+
+def test_block_rejects_trees(models):
+    target, draft = models
+    with pytest.raises(ValueError, match="chains only"):
+        hf.speculative_generate(target, draft, PROMPTS[:1], max_new_tokens=4, tree=hf.TreeSpec(4, 2, 2),
+                                method="block")
+    with pytest.raises(ValueError, match="method must be one of"):
+        hf.speculative_generate(target, draft, PROMPTS[:1], max_new_tokens=4, method="blocks")

@@ -60,7 +60,6 @@ def rejection_sample(
         every draft row, not one per request. Greedy requests are the same in both.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
-        "auto" runs block verification on the Triton kernel: the CUDA kernel has only "token".
     validate : bool or None
         Also check the values (offsets, ids, temperatures, probabilities); synchronizes.
         None = $SPECDEC_VALIDATE == "1".
@@ -84,8 +83,6 @@ def rejection_sample(
                                         draft_probs, temperature, max_spec_len)
     device = target_logits.device
     backend = resolve_backend(backend, device)
-    if backend == "auto" and method == "block" and device.type == "cuda" and ops.cuda_kernel_built():
-        backend = "triton"  # the CUDA kernel implements token verification only
     if seeds is None:
         seeds = ops.draw_seeds(cu_num_draft_tokens.shape[0] - 1, device)
     args = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,

@@ -3,6 +3,7 @@
     python -m specdec_kernels.generate                    # the main job (below)
     python -m specdec_kernels.generate --sample           # the same, sampling at temperature 0.8
     python -m specdec_kernels.generate --tree             # + tree mode (EAGLE-2 top-k trees)
+    python -m specdec_kernels.generate --sample --method block   # block verification of chains
     python -m specdec_kernels.generate --target PATH --draft PATH --prompt "Once upon a time" \\
         [--prompt ...] [--max-new-tokens 64 --k 4 --temperature 0 --top-k 0 --top-p 1 --seed 0]
 
@@ -16,6 +17,10 @@ tokens per verify step, acceptance, tokens/s, the speedup over ``generate`` and 
 the theory predicts from the measured per-draft acceptance ``a``, the lookahead ``K`` and
 the measured draft/target cost ratio ``c`` (Leviathan et al. 2022, Thm 3.8):
 ``(1 - a^(K+1)) / ((1 - a)(K c + 1))``, broken down so that one sees where the run loses to it.
+
+``--method block`` verifies chains with block verification (Sun et al. 2024) instead of draft
+by draft: the same output law, never fewer accepted drafts in expectation; it changes only
+sampled runs (greedy output is the same). The theory columns are token verification's.
 
 ``--tree`` adds tree mode for the model-based drafters ("early-exit-tree", "draft-model-tree"):
 each step the drafter expands an EAGLE-2 style top-k tree (``--tree-shape NODES,TOP_K,DEPTH``)
@@ -99,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the ones --draft / --prompt-lookup name")
     parser.add_argument("--exit-layer", type=int, default=None,
                         help="decoder layers the early-exit drafter runs (default: 3/4 of the target's)")
+    parser.add_argument("--method", choices=hf.VERIFY_METHODS, default="token",
+                        help="how chains are verified: token = draft by draft (default), block = jointly "
+                        "(Sun et al. 2024: never fewer accepted drafts in expectation; chains only)")
     parser.add_argument("--tree", action="store_true",
                         help="also run tree mode for the model-based drafters (early-exit-tree, draft-model-tree)")
     parser.add_argument("--tree-shape", default="8,4,4", metavar="NODES,TOP_K,DEPTH",
@@ -134,6 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.temperature = DEFAULT_SAMPLING_TEMPERATURE if args.sample else 0.0
     elif args.sample and args.temperature <= 0:
         parser.error("--sample needs a temperature > 0")
+    tree_drafters = [name for name in args.drafter or [] if name.endswith("-tree")]
+    if args.method == "block" and (args.tree or tree_drafters):
+        parser.error("--method block verifies chains only: tree mode (--tree, the *-tree drafters) has no block "
+                     "variant; use --method token for trees")
     if args.repeats < 1 or args.k < 0 or args.max_new_tokens < 1:
         parser.error("--repeats and --max-new-tokens must be >= 1, --k >= 0")
     try:
@@ -439,7 +451,8 @@ def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, 
     result = hf.speculative_generate(target, drafter, [prompt.token_ids], max_new_tokens=max_new_tokens,
                                      num_draft_tokens=None if drafter.is_tree else args.k,
                                      temperature=args.temperature, top_k=args.top_k,
-                                     top_p=args.top_p, seed=args.seed, on_step=on_step)
+                                     top_p=args.top_p, seed=args.seed, on_step=on_step,
+                                     method=args.method)
     _sync(args.device)
     seconds = time.perf_counter() - start
     # A step emits its accepted drafts + 1 token, except that the last step may be cut at EOS:
@@ -469,8 +482,9 @@ def print_summary(names: list[str], prompts: list[Prompt], records: dict[tuple[s
     have_baseline = not args.no_baseline
     k = args.k
     print(f"\n=== summary (K = {k}, {'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, "
-          f"up to {args.max_new_tokens} new tokens per prompt)")
-    print("tokens/step: tokens emitted per verify step, measured | theory (1 - a^(K+1)) / (1 - a)\n"
+          f"{args.method} verification, up to {args.max_new_tokens} new tokens per prompt)")
+    print("tokens/step: tokens emitted per verify step, measured | theory (1 - a^(K+1)) / (1 - a) (token "
+          "verification's)\n"
           "acceptance: accepted / proposed drafts; a: accepted / tested drafts (per-draft acceptance, "
           "the theory's alpha)\n"
           "drafts/step: drafts proposed per step (the theory assumes K)\n"
@@ -575,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "prompt-lookup":
             print(f"drafter prompt-lookup: n-grams of {inner.min_ngram}..{inner.max_ngram} tokens")
     print(f"prompts: {len(prompts)} ({', '.join(p.label for p in prompts)}), up to {args.max_new_tokens} new tokens, "
-          f"K = {args.k}, " + ("greedy" if args.temperature <= 0 else
+          f"K = {args.k}, {args.method} verification, " + ("greedy" if args.temperature <= 0 else
                                f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
                                f"seed {args.seed}"), flush=True)
 

@@ -33,6 +33,9 @@ Design (the simplest that is exactly correct with transformers' cache API):
   op (``specdec_kernels.sampling_filters.apply_top_k_top_p``: one sort per row until the op
   fuses it, #6). The target distribution is then exactly HF's temperature -> top-k -> top-p
   (ties with the k-th token, or with the token crossing p, are kept).
+- **Verification.** Chains are verified draft by draft (``method="token"``) or jointly
+  (``method="block"``, Sun et al. 2024: the same output law, never fewer accepted drafts in
+  expectation); trees by ``tree_rejection_sample``, which has no block variant.
 - **Drafters** plug in through the small ``Drafter`` interface (``propose`` /
   ``propose_batch`` / ``commit`` / ``release``): ``ModelDrafter`` (a smaller HF model, chains),
   ``PromptLookupDrafter`` (n-gram matches in the request's own tokens, deterministic chains)
@@ -65,6 +68,11 @@ from .tree import tree_rejection_sample
 from .tree_utils import build_eagle_tree, tree_attention_mask, tree_position_ids
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+#: Chain verification methods of ``speculative_generate`` (``rejection_sample``'s ``method``).
+VERIFY_METHODS = ("token", "block")
+_BLOCK_NEEDS_CHAINS = ("method='block' verifies draft chains only (block verification of Sun et al. 2024); "
+                       "tree mode has no block variant: use method='token' with trees")
 
 
 @dataclass(frozen=True)
@@ -787,6 +795,7 @@ def speculative_generate(
     tree: TreeSpec | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
     target_lm: CachedCausalLM | None = None,
+    method: str = "token",
 ) -> GenerationResult:
     """Generate with speculative decoding, verifying all requests in one op call per step.
 
@@ -823,12 +832,19 @@ def speculative_generate(
     target_lm : CachedCausalLM or None
         The target's cache holder; pass one to inspect the caches from ``on_step`` (tests).
         Requests are its indices 0 .. len(prompts) - 1; finished requests are released.
+    method : {"token", "block"}
+        How chains are verified (``rejection_sample``'s ``method``): "token" draft by draft,
+        "block" jointly (Sun et al. 2024): the same output law, never fewer accepted drafts in
+        expectation. Only random requests differ; greedy output is the same. Chain mode only:
+        tree verification has no block variant, so "block" with trees raises a ValueError.
 
     Returns
     -------
     GenerationResult
     """
     start_time = time.perf_counter()
+    if method not in VERIFY_METHODS:
+        raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
     num_requests = len(prompts)
     committed = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
     if any(len(tokens) == 0 for tokens in committed):
@@ -843,6 +859,8 @@ def speculative_generate(
         drafter = TreeDrafter(draft, tree)
     else:
         drafter = draft if isinstance(draft, Drafter) else ModelDrafter(draft)
+    if method == "block" and (isinstance(drafter, TreeDrafter) or getattr(drafter, "is_tree", False)):
+        raise ValueError(_BLOCK_NEEDS_CHAINS)
     max_drafts = drafter.default_num_drafts if num_draft_tokens is None else num_draft_tokens
     device = target_lm.device
     sampling = [SamplingParams(float(t), int(k), float(p)) for t, k, p in zip(
@@ -878,7 +896,7 @@ def speculative_generate(
             root_columns.append(root_column)
         t2 = time.perf_counter()
         emitted, accepted_nodes = _verify(rows, proposals, [committed[b][-1] for b in active],
-                                          [sampling[b] for b in active], [gens[b] for b in active])
+                                          [sampling[b] for b in active], [gens[b] for b in active], method)
         t3 = time.perf_counter()
 
         still_active = []
@@ -938,15 +956,17 @@ def _score_proposal(target_lm: CachedCausalLM, request: int, tokens: Sequence[in
 
 
 def _verify(rows: list[torch.Tensor], proposals: list, roots: list[int], sampling: list[SamplingParams],
-            generators: list[torch.Generator]) -> tuple[list[list[int]], list[list[int]]]:
-    """One op call over every active request.
+            generators: list[torch.Generator], method: str = "token") -> tuple[list[list[int]], list[list[int]]]:
+    """One op call over every active request (chains verified with ``method``).
 
     Returns, per request, the tokens of this step (the accepted drafts, then the target's token)
     and the accepted path's local nodes (0 = the root, then the accepted drafts' nodes).
     """
     if all(isinstance(p, DraftChain) for p in proposals):
-        emitted = _verify_chains(rows, proposals, sampling, generators)
+        emitted = _verify_chains(rows, proposals, sampling, generators, method)
         return emitted, [list(range(len(tokens))) for tokens in emitted]
+    if method == "block":
+        raise ValueError(_BLOCK_NEEDS_CHAINS)
     # Trees in the step: chains join them as chain-shaped trees, which needs deterministic drafts
     # (one op call verifies the step, with draft_probs=None).
     for proposal in proposals:
@@ -985,8 +1005,8 @@ def _cumulative_counts(counts: list[int], device) -> torch.Tensor:
 
 
 def _verify_chains(rows: list[torch.Tensor], chains: list[DraftChain], sampling: list[SamplingParams],
-                   generators: list[torch.Generator]) -> list[list[int]]:
-    """``rejection_sample`` over every request: its tokens for this step.
+                   generators: list[torch.Generator], method: str = "token") -> list[list[int]]:
+    """``rejection_sample`` (``method`` "token" or "block") over every request: its tokens for this step.
 
     ``rows[i]`` [n_i + 1, V]: the target's logits for request i's draft positions and bonus
     position (the op's layout once concatenated).
@@ -1004,7 +1024,7 @@ def _verify_chains(rows: list[torch.Tensor], chains: list[DraftChain], sampling:
             else torch.nn.functional.one_hot(chain.tokens.to(device), vocab).to(torch.float32)
             for chain in chains])
     out, num_accepted = rejection_sample(logits, drafts, _cumulative_counts(counts, device), draft_probs,
-                                         temperature, _step_seeds(generators, device), None, max(counts))
+                                         temperature, _step_seeds(generators, device), None, max(counts), method)
     num_accepted = num_accepted.tolist()
     out = out.tolist()
     return [out[i][:num_accepted[i] + 1] for i in range(len(chains))]

@@ -17,6 +17,14 @@
 // probabilities units are handed out by an atomic ticket in the order CTAs start, so a
 // phase-2 unit only waits for phase-1 units that already run: no deadlock.
 //
+// Block verification (docs/ALGORITHM.md §6; the kernel is a template on RsMethod, so token
+// verification compiles as before) changes only the decision and phase 2. Deterministic
+// drafts: the finalizer's decide_block computes tau from the same records (R_i is a scalar),
+// and row tau's recorded sample is the residual. Draft probabilities: phase-2 units are
+// (request b, draft row r, split s); each computes P_r (decide_block over rows 0..r), streams
+// its split of max(0, P_r q_r - p_r) and records its race winner and its mass; the last one
+// sums each row's masses into R_r, picks tau and takes row tau's residual winner.
+//
 // The chunk race (docs/ALGORITHM.md §3) runs in the stream rather than over a table of row
 // t* afterwards: the same scores and winner (up to float rounding), no table traffic, and the
 // request's last unit reads nothing but records. Each lane group races the chunks it streams,
@@ -102,6 +110,12 @@ struct __align__(8) RsResidualRecord {
   int32_t candidate;
 };
 
+// Verification methods (docs/ALGORITHM.md §1 and §6); the kernel is a template on them.
+enum RsMethod : int32_t {
+  kRsMethodToken = 0,  // draft by draft
+  kRsMethodBlock = 1,  // block verification (Sun et al. 2024)
+};
+
 // The work decomposition, computed on the host (make_rejection_sample_plan).
 struct RejectionSamplePlan {
   int32_t num_chunks;
@@ -110,11 +124,15 @@ struct RejectionSamplePlan {
   int32_t tiles_per_split;
   int32_t residual_splits;
   int32_t residual_tiles_per_split;
+  // Rows whose residual phase 2 streams per request: 1 (token: the rejected row), or
+  // max(max_spec_len, 1) (block verification with draft probabilities: every draft row).
+  int32_t residual_rows;
   int64_t units_phase1;
   int64_t units_total;
   int64_t num_counters;
   int64_t num_split_records;
-  int64_t num_residual_records;
+  int64_t num_residual_records;  // num_requests * residual_rows * residual_splits, or 0
+  int64_t num_residual_masses;   // the same count for block verification, else 0
 };
 
 struct RejectionSampleParams {
@@ -140,7 +158,10 @@ struct RejectionSampleParams {
   // phase-2 completion counts, then the ticket and the finished count.
   int32_t* counters;
   RsSplitRecord* split_records;        // [units_phase1]
-  RsResidualRecord* residual_records;  // [num_requests * residual_splits]
+  RsResidualRecord* residual_records;  // [num_requests * residual_rows * residual_splits]
+  // Block verification with draft probabilities: each phase-2 unit's residual mass
+  // sum_x max(P q(x) - p(x), 0) over its split, [num_requests * residual_rows * residual_splits].
+  float* residual_masses;
   int64_t num_rows;
   int64_t num_drafts;
   int32_t vocab_size;
@@ -169,7 +190,7 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 // that there are about kRsUnitsPerSlot units per resident CTA (at least one row per unit).
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
-                                                 int64_t concurrent_ctas) {
+                                                 int64_t concurrent_ctas, RsMethod method = kRsMethodToken) {
   RejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
@@ -180,15 +201,22 @@ inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_r
                plan.tiles_per_split);
   plan.units_phase1 = num_requests * (max_spec_len + 1) * plan.num_splits;
   plan.units_total = plan.units_phase1;
+  plan.residual_rows = 1;
+  const bool block_residuals = has_draft_probs && method == kRsMethodBlock;
   if (has_draft_probs) {
-    // The rejected row of each request is read again with its draft row: split it too.
-    rs_split_row(num_tiles, rs_ceil_div(target_units, num_requests < 1 ? 1 : num_requests), plan.residual_splits,
+    // Token verification reads the rejected row of each request again with its draft row;
+    // block verification needs the residual mass of every draft row (docs/ALGORITHM.md §6).
+    // Split those rows too.
+    if (block_residuals) plan.residual_rows = static_cast<int32_t>(max_spec_len < 1 ? 1 : max_spec_len);
+    const int64_t residual_rows = num_requests * plan.residual_rows;
+    rs_split_row(num_tiles, rs_ceil_div(target_units, residual_rows < 1 ? 1 : residual_rows), plan.residual_splits,
                  plan.residual_tiles_per_split);
-    plan.units_total += num_requests * plan.residual_splits;
+    plan.units_total += residual_rows * plan.residual_splits;
   }
   plan.num_counters = 2 * num_requests + 2;
   plan.num_split_records = plan.units_phase1;
-  plan.num_residual_records = has_draft_probs ? num_requests * plan.residual_splits : 0;
+  plan.num_residual_records = has_draft_probs ? num_requests * plan.residual_rows * plan.residual_splits : 0;
+  plan.num_residual_masses = block_residuals ? plan.num_residual_records : 0;
   return plan;
 }
 
@@ -473,6 +501,18 @@ struct RequestContext {
   uint64_t offset;
 };
 
+// One row of block verification's scan (decide_block), written by the warp that combined it.
+struct RsBlockRow {
+  float q_x;      // q_r(x_r) (0 when x_r is invalid)
+  float p_x;      // p_r(x_r) (1 for deterministic drafts)
+  float eta;      // the accept uniform of position r (draft r - 1), final scans only
+  float mass;     // R_r with draft probabilities: the residual units' masses of row r, final scans only
+  float row_max;
+  float row_sum;
+  int32_t sample;  // the row's sample of q (-1: none)
+  int32_t draft;   // x_r if r < n and it is a valid id, else -1
+};
+
 struct RsShared {
   float2 noise[kRsMaxUnitChunks];  // per chunk of the unit: (u_c, log2(-log2(v_c)))
   // Per lane group (or per warp) partial results of a unit, combined by thread 0.
@@ -494,6 +534,11 @@ struct RsShared {
   int sample_star;
   float max_star;
   float sum_star;
+  // Block verification (decide_block): a batch of rows, then P_tau (or P of the unit's row)
+  // and n' (INT_MAX while a partial scan has not seen it).
+  RsBlockRow block_rows[kRsWarps];
+  float block_scale;
+  int block_end;
   // Phase 1: the unit's request (for its finalizer) and split 0's accept-test operands, kept
   // here rather than in registers across the stream.
   RequestContext rq;
@@ -846,6 +891,113 @@ __device__ inline void decide_request(const RejectionSampleParams& p, int b, RsS
   __syncthreads();
 }
 
+// Block verification's decision (docs/ALGORITHM.md §6) for the random request in sm.rq,
+// block-wide, the same arithmetic as the Triton kernel's _block_ratios / _block_tau. Rows are
+// scanned in batches of kRsWarps: warp w combines row base + w's records (as decide_request)
+// into sm.block_rows[w], then thread 0 walks the batch in order carrying the running joint
+// ratio P (before row r: P_r of the 1-based notation, the scale of row r's residual).
+//  - kFinal (the request's finalizer): rows 0 .. n' (n' = the first row without a valid draft,
+//    at most n). h_r = R_r / (R_r + 1 - P_r) (1 when the denominator is 0) for 1 <= r < n',
+//    with R_r = the residual units' masses of row r (draft probabilities) or P_r (1 - q_r(x_r))
+//    (point masses); h_n' = P_n'; tau = the largest r with eta_r < h_r, else 0. Writes
+//    sm.t_star = tau, sm.block_scale = P_tau, sm.block_end = n' and row tau's max, sum and
+//    sample (sm.max_star, sm.sum_star, sm.sample_star).
+//  - otherwise (a residual unit of row stop_row < n): rows 0 .. stop_row. Writes
+//    sm.block_scale = P_stop_row, that row's max and sum, and sm.block_end = n' if n' <=
+//    stop_row (the row is then past the chain and has no residual to stream), else INT_MAX.
+// Results are read after it returns; callers pass a barrier before the next decision.
+template <bool kHasDraftProbs, bool kFinal>
+__device__ void decide_block(const RejectionSampleParams& p, int b, RsShared& sm, int stop_row) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const RequestContext rq = sm.rq;
+  const int last_row = min(stop_row, rq.n);
+  if (threadIdx.x == 0) {
+    sm.t_star = 0;
+    sm.block_scale = 1.0f;
+    sm.block_end = INT_MAX;
+  }
+  float ratio = 1.0f;  // thread 0: P before row `base`
+  for (int base = 0;; base += kRsWarps) {
+    const int r = base + warp;
+    if (r <= last_row) {
+      const RsSplitRecord* records =
+          p.split_records + (static_cast<int64_t>(b) * (p.max_spec_len + 1) + r) * p.plan.num_splits;
+      float4 first = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const RowStats rs = combine_row_records(records, p.plan.num_splits, rq.k, lane, first);
+      float mass = 0.0f;
+      if constexpr (kFinal && kHasDraftProbs) {
+        if (r >= 1 && r < rq.n) {  // rows < n <= residual_rows, all written by this call's units
+          const float* masses = p.residual_masses +
+                                (static_cast<int64_t>(b) * p.plan.residual_rows + r) * p.plan.residual_splits;
+          for (int s = lane; s < p.plan.residual_splits; s += 32) mass += __ldcg(masses + s);
+          mass = warp_sum(mass);
+        }
+      }
+      if (lane == 0) {
+        const int x = r < rq.n ? __float_as_int(first.x) : -1;  // split 0's draft: -1 unless valid
+        const float lx = first.y;
+        RsBlockRow row;
+        row.draft = x;
+        row.q_x = (x >= 0 && lx > -INFINITY && rs.row_max > -INFINITY)
+                      ? __fdiv_rn(exp2f((lx - rs.row_max) * rq.k), rs.row_sum)
+                      : 0.0f;
+        row.p_x = first.z;
+        row.eta = (kFinal && r >= 1)
+                      ? uniform_from_word(
+                            philox_words(rq.seed, rq.offset, kStreamAccept, static_cast<uint32_t>(r), 0u).x)
+                      : 0.0f;
+        row.mass = mass;
+        row.row_max = rs.row_max;
+        row.row_sum = rs.row_sum;
+        row.sample = rs.sample;
+        sm.block_rows[warp] = row;
+      }
+    }
+    __syncthreads();
+    bool done = false;
+    if (threadIdx.x == 0) {
+      const int count = min(kRsWarps, last_row + 1 - base);
+      for (int j = 0; j < count && !done; ++j) {
+        const RsBlockRow& row = sm.block_rows[j];
+        const int rr = base + j;
+        const bool chain_end = rr == rq.n || row.draft < 0;  // rr = n'
+        bool keep = false;  // row rr's statistics are the result's
+        if constexpr (kFinal) {
+          keep = rr == 0;  // tau = 0 unless a later position passes its test
+          if (rr >= 1) {
+            float h = ratio;  // h_n' = P_n'
+            if (!chain_end) {
+              const float residual = kHasDraftProbs ? row.mass : ratio * (1.0f - row.q_x);
+              const float den = residual + 1.0f - ratio;
+              h = den > 0.0f ? __fdiv_rn(residual, den) : 1.0f;
+            }
+            keep = row.eta < h;
+          }
+          if (keep) sm.t_star = rr;
+        } else {
+          keep = rr == stop_row;
+        }
+        if (keep) {
+          sm.block_scale = ratio;
+          sm.max_star = row.row_max;
+          sm.sum_star = row.row_sum;
+          sm.sample_star = row.sample;
+        }
+        if (chain_end) sm.block_end = rr;
+        done = chain_end || rr == stop_row;
+        if (!done) {
+          // P after draft rr: min(1, P q(x) / p(x)), division-free where p(x) = 0.
+          const float num = ratio * row.q_x;
+          ratio = num >= row.p_x ? (num > 0.0f ? 1.0f : 0.0f) : __fdiv_rn(num, row.p_x);
+        }
+      }
+    }
+    // Also the barrier after which the batch's slots may be rewritten.
+    if (__syncthreads_or(done)) break;
+  }
+}
+
 __device__ __forceinline__ void write_outputs(const RejectionSampleParams& p, const RequestContext& rq, int b,
                                               int t_star, int token) {
   const int width = p.max_spec_len + 1;
@@ -901,7 +1053,7 @@ __device__ int row_argmax(const T* row, int limit, RsShared& sm) {
 
 // -------------------------------------------------------------------------------- phase 1
 
-template <typename T, typename P>
+template <typename T, typename P, RsMethod kMethod>
 __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int unit) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
   constexpr int kStages = RsConfig<T, P>::kStages;
@@ -1128,7 +1280,17 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   __syncthreads();
   // With draft probabilities random requests are finalized by their phase-2 units.
   if (sm.is_last && (!kHasDraftProbs || rq.greedy)) {
-    decide_request(p, b, sm);
+    if constexpr (kMethod == kRsMethodBlock && !kHasDraftProbs) {
+      // Point-mass drafts: R_i comes from the accept-test operands, and the sample of row tau
+      // (its draft left out when tau < n') is already in its records.
+      if (rq.greedy) {
+        decide_request(p, b, sm);
+      } else {
+        decide_block<false, true>(p, b, sm, rq.n);
+      }
+    } else {
+      decide_request(p, b, sm);
+    }
     const RequestContext rq = sm.rq;
     const int t_star = sm.t_star;
     int token = rq.greedy ? sm.argmax_star : sm.sample_star;
@@ -1147,8 +1309,9 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
 
 // -------------------------------------------------------------------------------- phase 2
 
-template <typename T, typename P>
+template <typename T, typename P, RsMethod kMethod>
 __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int unit) {
+  constexpr bool kBlock = kMethod == kRsMethodBlock;
   constexpr int kE = kRsLaneEntries;
   constexpr int kStages = RsConfig<T, P>::kResidualStages;
   using LogitStream = TileStream<T, kStages, 0>;
@@ -1156,7 +1319,11 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int r = unit - p.plan.units_phase1;
-  const int b = r / p.plan.residual_splits;
+  // Unit (request b, residual row, split): token verification has one residual row per request
+  // (the rejected one, known after the decision), block verification one per draft row.
+  const int units_per_request = kBlock ? p.plan.residual_rows * p.plan.residual_splits : p.plan.residual_splits;
+  const int b = r / units_per_request;
+  const int residual_row = kBlock ? (r % units_per_request) / p.plan.residual_splits : 0;
   const int split = r % p.plan.residual_splits;
   {
     const RequestContext rq = load_request(p, b);
@@ -1164,7 +1331,8 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     if (threadIdx.x == 0) sm.rq = rq;  // for the decision, rather than registers across it
   }
 
-  // Wait for the request's phase 1 (those units hold lower tickets: they already run).
+  // Wait for the request's phase 1 (those units hold lower tickets: they already run). Block
+  // verification's units past the chain wait too: any unit may be the one that finalizes.
   if (threadIdx.x == 0) {
     const int need = (sm.rq.n + 1) * p.plan.num_splits;
     const volatile int* done = p.counters + b;
@@ -1176,18 +1344,45 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     __threadfence();
   }
   __syncthreads();
-  decide_request(p, b, sm);
+  int t_star;             // the row this unit streams
+  float max_star, sum_star;  // its statistics
+  float residual_scale;    // P of block verification (1 for token verification)
+  bool in_chain;           // the row's residual is part of the decision (records must be written)
+  if constexpr (kBlock) {
+    // Row residual_row's residual max(0, P q - p), P = the joint ratio of the drafts before it;
+    // rows from n' on (past an invalid draft, or past n) have none.
+    t_star = residual_row;
+    in_chain = false;
+    residual_scale = 1.0f;
+    max_star = -INFINITY;
+    sum_star = 0.0f;
+    if (residual_row < sm.rq.n) {
+      decide_block<true, false>(p, b, sm, residual_row);
+      in_chain = residual_row < sm.block_end;
+      residual_scale = sm.block_scale;
+      max_star = sm.max_star;
+      sum_star = sm.sum_star;
+    }
+  } else {
+    decide_request(p, b, sm);
+    t_star = sm.t_star;
+    max_star = sm.max_star;
+    sum_star = sm.sum_star;
+    residual_scale = 1.0f;
+    // An invalid draft id at t* ends the chain with nothing to subtract: q's sample is final.
+    in_chain = t_star < sm.rq.n && sm.x_star >= 0;
+  }
   const RequestContext rq = sm.rq;
-  const int t_star = sm.t_star;
-  const float max_star = sm.max_star;
   const int64_t row = rq.cu_lo + b + t_star;
   const bool row_ok = row >= 0 && row < p.num_rows && max_star > -INFINITY;
-  // An invalid draft id at t* ends the chain with nothing to subtract: q's sample is final.
-  const bool needs_residual = t_star < rq.n && sm.x_star >= 0 && row_ok;
+  const bool needs_residual = in_chain && row_ok;
+  // This unit's record slot: (request, residual row, split).
+  const int64_t request_slot = kBlock ? static_cast<int64_t>(b) * p.plan.residual_rows + residual_row : b;
+  const int64_t slot = request_slot * p.plan.residual_splits + split;
   if (needs_residual) {
-    RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.plan.residual_splits;
     const float k = rq.k;
-    const float inv_sum = __frcp_rn(sm.sum_star);
+    // q * P as exp2((l - M) k) * (P / S): P folds into the normalizer (P = 1 for token mode).
+    const float inv_sum = kBlock ? residual_scale * __frcp_rn(sum_star) : __frcp_rn(sum_star);
     const int limit = p.vocab_size;
     const int tile_lo = split * p.plan.residual_tiles_per_split;
     const int tile_hi = min(tile_lo + p.plan.residual_tiles_per_split, p.plan.num_tiles);
@@ -1207,6 +1402,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     const int gl = threadIdx.x % kRsChunkLanes;
     float race = -INFINITY;
     int race_chunk = INT_MAX;
+    float unit_mass = 0.0f;  // block verification: the group's residual mass (uniform over the group)
     pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
       const int chunk = tile * kRsTileChunks + group;
       float mass = 0.0f;
@@ -1220,6 +1416,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
         }
       }
       mass = group_sum(mass);
+      if constexpr (kBlock) unit_mass += mass;
       const float2 noise = sm.noise[chunk - chunk_lo];
       const float score = mass > 0.0f ? log2f(mass) - noise.y : -INFINITY;
       const bool take = score > race;
@@ -1229,6 +1426,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     if (gl == 0) {
       sm.reduce_score[group] = race;
       sm.reduce_chunk[group] = race_chunk;
+      if constexpr (kBlock) sm.reduce_sum[group] = unit_mass;
     }
     __syncthreads();
     if (warp == 0) {
@@ -1243,27 +1441,45 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
                                                inv_sum, sm.noise[chunk - chunk_lo].x);
       }
       if (threadIdx.x == 0) {
-        __stcg(reinterpret_cast<float2*>(records + split), make_float2(score, __int_as_float(candidate)));
+        __stcg(reinterpret_cast<float2*>(p.residual_records + slot), make_float2(score, __int_as_float(candidate)));
+        if constexpr (kBlock) {
+          float split_mass = 0.0f;
+#pragma unroll
+          for (int g = 0; g < kRsGroups; ++g) split_mass += sm.reduce_sum[g];
+          __stcg(p.residual_masses + slot, split_mass);
+        }
       }
     }
+  } else if (kBlock && residual_row < rq.n && threadIdx.x == 0) {
+    // No residual to stream (a row past the chain, n' <= row < n, or one without a valid
+    // logit): the finalizer reads the masses of every row below n, and the records of row tau.
+    __stcg(reinterpret_cast<float2*>(p.residual_records + slot), make_float2(-INFINITY, __int_as_float(-1)));
+    __stcg(p.residual_masses + slot, 0.0f);
   }
 
   if (threadIdx.x == 0) {
     __threadfence();
     const int done = atomicAdd(p.counters + p.num_requests + b, 1);
-    const int last = done == p.plan.residual_splits - 1;
+    const int last = done == units_per_request - 1;
     if (last) __threadfence();
     sm.is_last = last;
   }
   __syncthreads();
   if (sm.is_last) {
-    const RequestContext rq = sm.rq;
-    const RsResidualRecord* records = p.residual_records + static_cast<int64_t>(b) * p.plan.residual_splits;
+    bool final_residual = needs_residual;
+    if constexpr (kBlock) {
+      // Every row's residual mass is in: tau, and the residual of row tau if tau < n'.
+      decide_block<true, true>(p, b, sm, rq.n);
+      t_star = sm.t_star;
+      final_residual = sm.t_star < sm.block_end;
+    }
+    const int64_t final_slot = kBlock ? static_cast<int64_t>(b) * p.plan.residual_rows + t_star : b;
+    const RsResidualRecord* records = p.residual_records + final_slot * p.plan.residual_splits;
     if (threadIdx.x < 32) {
       // q's own sample of row t*: the bonus, an invalid draft's row, or a residual without
       // mass (q == p up to rounding), with the same noise.
       int token = sm.sample_star;
-      if (needs_residual) {
+      if (final_residual) {
         float best = -INFINITY;
         int best_split = INT_MAX, best_cand = -1;
 #pragma unroll
@@ -1301,7 +1517,7 @@ constexpr int rejection_sample_smem_bytes() {
   return rs_detail::RsConfig<T, P>::kSmemBytes;
 }
 
-template <typename T, typename P>
+template <typename T, typename P, RsMethod kMethod>
 __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlocksPerSM)
     rejection_sample_kernel(const RejectionSampleParams p) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
@@ -1314,9 +1530,9 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     unit = sm.unit;
   }
   if (unit < p.plan.units_phase1) {
-    rs_detail::phase1_unit<T, P>(p, sm, unit);
+    rs_detail::phase1_unit<T, P, kMethod>(p, sm, unit);
   } else {
-    if constexpr (kHasDraftProbs) rs_detail::phase2_unit<T, P>(p, sm, unit);
+    if constexpr (kHasDraftProbs) rs_detail::phase2_unit<T, P, kMethod>(p, sm, unit);
   }
   if constexpr (kHasDraftProbs) {
     if (threadIdx.x == 0) {
@@ -1332,19 +1548,20 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
 
 // Prepares an instance for launches on the current device (its shared-memory limit) and
 // returns how many of its CTAs an SM runs at once, for the plan's target grid size.
-template <typename T, typename P>
+template <typename T, typename P, RsMethod kMethod = kRsMethodToken>
 cudaError_t rejection_sample_prepare(int* blocks_per_sm) {
   constexpr int kSmem = rejection_sample_smem_bytes<T, P>();
-  cudaError_t err =
-      cudaFuncSetAttribute(rejection_sample_kernel<T, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t err = cudaFuncSetAttribute(rejection_sample_kernel<T, P, kMethod>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, rejection_sample_kernel<T, P>, kRsThreads,
-                                                       kSmem);
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, rejection_sample_kernel<T, P, kMethod>,
+                                                       kRsThreads, kSmem);
 }
 
-template <typename T, typename P>
+// params.plan must come from plan_rejection_sample(..., kMethod).
+template <typename T, typename P, RsMethod kMethod = kRsMethodToken>
 void launch_rejection_sample(const RejectionSampleParams& params, cudaStream_t stream) {
-  rejection_sample_kernel<T, P>
+  rejection_sample_kernel<T, P, kMethod>
       <<<static_cast<unsigned int>(params.plan.units_total), kRsThreads, rejection_sample_smem_bytes<T, P>(), stream>>>(params);
 }
 
