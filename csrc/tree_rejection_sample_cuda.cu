@@ -18,9 +18,12 @@
 #include <tuple>
 #include <vector>
 
+#include "binding_common.h"
 #include "kernels/tree_rejection_sample.cuh"
 
 namespace {
+
+namespace binding = specdec::binding;
 
 using specdec::NoDraftProbs;
 using specdec::TreeRejectionSampleParams;
@@ -28,76 +31,19 @@ using specdec::TreeRejectionSamplePlan;
 
 constexpr const char* kOp = "specdec.tree_rejection_sample (cuda)";
 
-bool is_logit_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
-
-bool is_index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+using binding::inner_contiguous;
+using binding::is_index_dtype;
+using binding::is_logit_dtype;
+using binding::rows_vectorizable;
 
 void check_device(const char* name, const at::Tensor& t, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, kOp, ": ", name, " is on ", t.device(), " but target_logits is on ", device);
+  binding::check_device(kOp, name, t, device);
 }
 
-// The kernel needs unit stride along the vocabulary (any row stride).
-at::Tensor inner_contiguous(const at::Tensor& t) { return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous(); }
-
-// 16-byte aligned base and row stride: every 8-entry segment of a row can be a 16-byte load
-// (else rows are read element by element; e.g. V * sizeof(T) not a multiple of 16).
-bool rows_vectorizable(const at::Tensor& t) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
-  return addr % 16 == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
-}
-
-// The workspace of one device: counters (zero between calls: each request's finalizer resets
-// its own) and records (always written before they are read). It only grows; the buffers it
-// replaces stay alive, since CUDA graphs captured earlier keep using them.
-struct Workspace {
-  at::Tensor counters;
-  at::Tensor records;
-};
-
-std::mutex& workspace_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-// Leaked on purpose: tensors must not be freed by static destructors after CUDA shut down.
-std::vector<Workspace>& workspaces() {
-  static auto* cache = new std::vector<Workspace>();
-  return *cache;
-}
-
-std::vector<at::Tensor>& retired_buffers() {
-  static auto* retired = new std::vector<at::Tensor>();
-  return *retired;
-}
-
-void check_not_capturing() {
-  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, kOp,
-              ": the cached workspace must grow while a CUDA graph is being captured; "
-              "call the op once eagerly with the largest batch before capturing");
-}
-
-// Counters (int32) and record bytes of at least the given sizes on `device`.
+// Counters (int32) and record bytes of at least the given sizes on `device` (this op's cache).
 std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_counters, int64_t record_bytes) {
-  std::lock_guard<std::mutex> lock(workspace_mutex());
-  auto& cache = workspaces();
-  const auto index = static_cast<size_t>(device.index());
-  if (cache.size() <= index) cache.resize(index + 1);
-  Workspace& ws = cache[index];
-  if (!ws.counters.defined() || ws.counters.numel() < num_counters) {
-    check_not_capturing();
-    const int64_t old = ws.counters.defined() ? ws.counters.numel() : 0;
-    if (ws.counters.defined()) retired_buffers().push_back(ws.counters);
-    ws.counters = at::zeros({std::max<int64_t>({num_counters, 2 * old, 4096})},
-                            at::TensorOptions().dtype(at::kInt).device(device));
-  }
-  if (!ws.records.defined() || ws.records.numel() < record_bytes) {
-    check_not_capturing();
-    const int64_t old = ws.records.defined() ? ws.records.numel() : 0;
-    if (ws.records.defined()) retired_buffers().push_back(ws.records);
-    ws.records = at::empty({std::max<int64_t>({record_bytes, 2 * old, int64_t{1} << 20})},
-                           at::TensorOptions().dtype(at::kByte).device(device));
-  }
-  return {ws.counters.data_ptr<int32_t>(), ws.records.data_ptr<uint8_t>()};
+  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 20);  // leaked on purpose (binding_common.h)
+  return cache->get(device, num_counters, record_bytes);
 }
 
 // CTAs of an instance the current device runs at once (SMs x resident CTAs per SM, after
