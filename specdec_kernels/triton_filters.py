@@ -12,9 +12,10 @@ max ``M``, its sum ``Z`` and its chunk maxima ``m_c``):
 - *top-k* and *top-p* are the largest row value ``v`` with ``count(l >= v) >= k``, resp.
   ``mass(l >= v) >= p * Z_k`` (``Z_k`` = the mass top-k keeps). Both predicates are monotone
   in ``v``, so the answer is found in a bracket ``[lo, hi)`` of order-preserving integer keys
-  of the float logits: a lower bound from the chunk maxima (each is a distinct token, so the
-  k-th largest chunk max is <= the k-th largest logit, and the first sorted chunk maxima whose
-  mass reaches the target bound top-p), then
+  of the float logits: a lower bound from the chunk maxima (each is a distinct token, so a
+  value with k chunk maxima at or above it is <= the k-th largest logit, and one whose chunk
+  maxima above it already hold the target mass bounds top-p; two rounds of 16 pivots over
+  the chunk maxima in registers find a tight one), then
   * one pass over the chunks whose max is >= lo gathers the bracket's tokens into a buffer of
     ``CAP`` entries; if they fit, the buffer is sorted (``CAP`` entries, in registers) and the
     answer read off exactly as the sort-based definition does;
@@ -32,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-KEY_NEG_INF = -2139095041  # _key(-inf)
+KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 
 
 @triton.jit
@@ -61,6 +62,25 @@ def _unkey(key):
     """The float32 of a key (keys between _key(-inf) and _key(+inf) are never NaN)."""
     b = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
     return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_above(keys, weights, ok, piv, PIVOTS: tl.constexpr):
+    """For each pivot key: how many of the ``ok`` keys are >= it, and their total weight. Four
+    pivots at a time ([N, 4] temporaries: register pressure is shared with the whole kernel)."""
+    i = tl.arange(0, PIVOTS)
+    j = tl.arange(0, 4)
+    cnt = tl.zeros([PIVOTS], tl.int32)
+    mass = tl.zeros([PIVOTS], tl.float32)
+    for g in tl.static_range(PIVOTS // 4):
+        to_group = (j[:, None] + 4 * g) == i[None, :]  # [4, PIVOTS]
+        piv4 = tl.sum(tl.where(to_group, piv[None, :], 0), 1)
+        above = ok[:, None] & (keys[:, None] >= piv4[None, :])
+        c4 = tl.sum(above.to(tl.int32), 0)
+        m4 = tl.sum(tl.where(above, weights[:, None], 0.0), 0)
+        cnt += tl.sum(tl.where(to_group, c4[:, None], 0), 0)
+        mass += tl.sum(tl.where(to_group, m4[:, None], 0.0), 0)
+    return cnt, mass
 
 
 @triton.jit
@@ -122,21 +142,43 @@ def _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP: tl.co
 
 
 @triton.jit
-def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, vocab_size, PIVOTS: tl.constexpr,
-                TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """PIVOTS keys strictly inside (lo, hi) (equally spaced in value when the bracket is wide and
-    finite, in key otherwise) and, for each, the count and the mass exp2((l - row_max) k) of the
-    bracket's tokens at or above it; also the bracket's token count."""
+def _pivots(lo, hi, scale, PIVOTS: tl.constexpr):
+    """PIVOTS non-decreasing keys strictly inside (lo, hi) (needs hi - lo >= 2). Any pivots are
+    correct; these cut a bracket by ~PIVOTS + 1 per pass:
+    - equally spaced values when the bracket's width is within 1024 typical spreads
+      (D = max(scale, |hi|), ``scale`` >= 1 a spread of the row's logits);
+    - hi - D * 4^(11 - i) when it is wider or open below (lo = -inf), the lowest pivot then
+      -FLT_MAX, so that -inf tokens (which no filter needs) are split off at once;
+    - equally spaced keys when it spans few floats (or hi = +inf)."""
     i = tl.arange(0, PIVOTS)
     lo64 = lo.to(tl.int64)
     span = hi.to(tl.int64) - lo64
     piv = (lo64 + span * (i + 1) // (PIVOTS + 1)).to(tl.int32)
     lo_f = _unkey(lo)
-    width = _unkey(hi) - lo_f
-    by_value = (span > 1048576) & (lo_f > float("-inf")) & (width < float("inf"))
-    piv_v = _key(lo_f + width * ((i + 1).to(tl.float32) / (PIVOTS + 1)))
-    piv = tl.where(by_value, piv_v, piv)
-    piv = tl.minimum(tl.maximum(piv, lo + 1), hi - 1)
+    hi_f = _unkey(hi)
+    d = tl.maximum(scale, tl.abs(hi_f))
+    wide = (span > 1048576) & (hi_f < float("inf"))
+    width = hi_f - lo_f
+    by_value = wide & (width <= 1024.0 * d)
+    open_below = wide & (width > 1024.0 * d)  # also lo = -inf (width = inf)
+    lo_s = tl.where(by_value, lo_f, 0.0)
+    w_s = tl.where(by_value, width, 0.0)
+    piv_v = _key(lo_s + w_s * ((i + 1).to(tl.float32) / (PIVOTS + 1)))
+    hi_s = tl.where(open_below, hi_f, 0.0)
+    d_s = tl.where(open_below, d, 0.0)
+    piv_b = _key(hi_s - d_s * tl.exp2((22 - 2 * i).to(tl.float32)))
+    first_finite = tl.where(lo == KEY_NEG_INF, KEY_NEG_INF + 1, piv_b)  # _key(-FLT_MAX)
+    piv_b = tl.where(i == 0, first_finite, piv_b)
+    piv = tl.where(by_value, piv_v, tl.where(open_below, piv_b, piv))
+    return tl.minimum(tl.maximum(piv, lo + 1), hi - 1)
+
+
+@triton.jit
+def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
+                TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """The pivots of the bracket [lo, hi) (``_pivots``) and, for each, the count and the mass
+    exp2((l - row_max) k) of the bracket's tokens at or above it; also the bracket's count."""
+    piv = _pivots(lo, hi, scale, PIVOTS)
     cnt = tl.zeros([PIVOTS], tl.int32)
     mass = tl.zeros([PIVOTS], tl.float32)
     n_in = tl.zeros([], tl.int32)
@@ -145,15 +187,15 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, vocab_size, PIV
         key = _key(lg)
         inside = ok & (key >= lo) & (key < hi)
         e = tl.where(inside, tl.exp2((lg - row_max) * k), 0.0)
-        above = inside[:, None] & (key[:, None] >= piv[None, :])
-        cnt += tl.sum(above.to(tl.int32), 0)
-        mass += tl.sum(tl.where(above, e[:, None], 0.0), 0)
+        c, m = _count_above(key, e, inside, piv, PIVOTS)
+        cnt += c
+        mass += m
         n_in += tl.sum(inside.to(tl.int32), 0)
     return piv, cnt, mass, n_in
 
 
 @triton.jit
-def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k,
+def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k, scale,
             by_mass, goal_count, goal_mass, lo, hi,
             CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
             PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
@@ -168,12 +210,15 @@ def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row
     n_above = tl.zeros([], tl.int32)
     mass_above = tl.zeros([], tl.float32)
     n_listed = _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD)
-    n_b = _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP, TILE, CHUNK)
+    # Each listed chunk's max is in the bracket: more than CAP of them cannot fit.
+    n_b = n_listed
+    if n_listed <= CAP:
+        n_b = _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP, TILE, CHUNK)
     passes = tl.zeros([], tl.int32)
     i = tl.arange(0, PIVOTS)
     while (n_b > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
         n_listed = _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD)
-        piv, cnt, mass, n_in = _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, vocab_size,
+        piv, cnt, mass, n_in = _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size,
                                            PIVOTS, PIVOT_TILE, CHUNK)
         holds = tl.where(by_mass, mass_above + mass >= goal_mass, n_above + cnt >= goal_count)
         n_true = tl.max(tl.where(holds, i + 1, 0), 0)  # the answer is in [piv[n_true-1], piv[n_true])
@@ -187,7 +232,7 @@ def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row
         n_above += n_up
         mass_above += mass_up
         passes += 1
-    if (passes > 0) & (n_b <= CAP):
+    if ((passes > 0) | (n_listed > CAP)) & (n_b <= CAP):
         n_listed = _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD)
         _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP, TILE, CHUNK)
     return lo, hi, n_above, mass_above, n_b
@@ -248,6 +293,53 @@ def _rewrite_table(row_ptr, table_m_row, table_w_row, list_ptr, num_chunks, voca
 
 
 @triton.jit
+def _chunk_bound(m_c, in_table, row_max, k, by_mass, goal_count, goal_mass, PIVOTS: tl.constexpr):
+    """A lower bound (key) on the answer from the chunk maxima alone: each is a distinct token,
+    so a v with count(m_c >= v) >= goal_count (or mass of those maxima >= goal_mass) has
+    f(v). Two rounds of PIVOTS values between the smallest finite chunk max and the row max
+    find the largest such v on a grid; KEY_NEG_INF if not even the smallest one qualifies."""
+    finite = in_table & (m_c > float("-inf"))
+    lo = tl.min(tl.where(finite, m_c, float("inf")), 0)
+    hi = row_max
+    e = tl.where(finite, tl.exp2((m_c - row_max) * k), 0.0)
+    i = tl.arange(0, PIVOTS)
+    frac = i.to(tl.float32) / PIVOTS
+    valid = lo <= hi
+    for r in tl.static_range(2):
+        piv = tl.where(i == 0, lo, lo + (hi - lo) * frac)
+        cnt, mass = _count_above(_key(m_c), e, finite, _key(piv), PIVOTS)
+        holds = tl.where(by_mass, mass >= goal_mass, cnt >= goal_count)
+        n_true = tl.max(tl.where(holds, i + 1, 0), 0)
+        if r == 0:
+            valid = valid & (n_true > 0)
+        new_lo = tl.where(n_true > 0, _at(piv, i, n_true - 1), lo)
+        hi = tl.where(n_true < PIVOTS, _at(piv, i, n_true), hi)
+        lo = new_lo
+    return tl.where(valid, _key(lo), KEY_NEG_INF)
+
+
+@triton.jit
+def _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p, p_on, row_max, k, S: tl.constexpr):
+    """From the sorted bracket of the top-k search: t_k, Z_k (the mass top-k keeps) and, when
+    the same bracket holds the top-p answer (the mass above it is short of p Z_k), t_p."""
+    s, e = _sorted_buffer(buf_ptr, n_b, row_max, k, S)
+    t_k = _read_off(s, e, n_b, lo, n_above, mass_above, False, top_k, 0.0, S)
+    z_k = mass_above + tl.sum(tl.where(_key(s) >= t_k, e, 0.0), 0)
+    target = top_p * z_k
+    p_here = p_on & (mass_above < target)
+    t_p = tl.full([], KEY_NEG_INF, tl.int32)
+    if p_here:
+        t_p = _read_off(s, e, n_b, lo, n_above, mass_above, True, 0, target, S)
+    return t_k, z_k, t_p, p_here
+
+
+@triton.jit
+def _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, S: tl.constexpr):
+    s, e = _sorted_buffer(buf_ptr, n_b, row_max, k, S)
+    return _read_off(s, e, n_b, lo, n_above, mass_above, True, 0, target, S)
+
+
+@triton.jit
 def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, row_sum, k,
                 top_k, top_p, min_p, excluded, vocab_size, num_chunks,
                 CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
@@ -256,8 +348,9 @@ def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, r
 
     row_max / row_sum: the row's max and sum of exp2((l - max) k) from the stream; top_k (int32,
     clamped to [-1, V]), top_p, min_p: the request's filters. A row without a valid logit keeps
-    t = -inf and its sum.
+    t = -inf and its sum. Brackets of up to SMALL tokens are sorted at that size.
     """
+    SMALL: tl.constexpr = 64 if CAP > 64 else CAP
     t_key = tl.full([], KEY_NEG_INF, tl.int32)
     z = row_sum
     if row_max > float("-inf"):
@@ -269,58 +362,58 @@ def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, r
         if mp > 0.0:
             t_mp = _min_p_key(row_max, k, tl.log2(mp))
         c = tl.arange(0, CHUNKS_PAD)
-        m_sorted = tl.load(table_m_row + c, mask=c < num_chunks, other=float("-inf"), cache_modifier=".cg")
-        if k_on | p_on:
-            m_sorted = tl.sort(m_sorted, descending=True)
-        # top-k: the k-th largest logit.
+        in_table = c < num_chunks
+        m_c = tl.load(table_m_row + c, mask=in_table, other=float("-inf"), cache_modifier=".cg")
+        # A typical spread of the row's logits, for pivots below an open bracket.
+        scale = tl.maximum(row_max - tl.min(tl.where(in_table & (m_c > float("-inf")), m_c, row_max), 0), 1.0)
+        # top-k: the k-th largest logit; Z_k the mass of what it keeps.
         t_k = tl.full([], KEY_NEG_INF, tl.int32)
+        t_p = tl.full([], KEY_NEG_INF, tl.int32)
         z_k = row_sum
-        lo = tl.full([], KEY_NEG_INF, tl.int32)
+        p_done = p_on == 0
         hi = top
-        n_above = tl.zeros([], tl.int32)
         mass_above = tl.zeros([], tl.float32)
-        n_b = tl.full([], CAP + 1, tl.int32)  # no buffer yet
-        s = tl.full([CAP], float("-inf"), tl.float32)
-        e = tl.zeros([CAP], tl.float32)
         if k_on:
-            lo0 = tl.where(top_k <= num_chunks, _key(_at(m_sorted, c, top_k - 1)), KEY_NEG_INF)
+            lo0 = _chunk_bound(m_c, in_table, row_max, k, False, top_k, 0.0, PIVOTS)
             if not p_on:
                 lo0 = tl.maximum(lo0, t_mp)  # below t_mp the exact k-th value does not matter
             lo, hi, n_above, mass_above, n_b = _search(
-                row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k,
+                row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k, scale,
                 False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
-            if n_b <= CAP:
-                s, e = _sorted_buffer(buf_ptr, n_b, row_max, k, CAP)
-                t_k = _read_off(s, e, n_b, lo, n_above, mass_above, False, top_k, 0.0, CAP)
-                z_k = mass_above + tl.sum(tl.where(_key(s) >= t_k, e, 0.0), 0)
+            if n_b <= SMALL:
+                t_k, z_k, t_p, p_here = _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p,
+                                                       p_on, row_max, k, SMALL)
+                p_done = p_done | p_here
+            elif n_b <= CAP:
+                t_k, z_k, t_p, p_here = _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p,
+                                                       p_on, row_max, k, CAP)
+                p_done = p_done | p_here
             else:
-                t_k = lo
+                t_k = lo  # the bracket holds one value
                 z_k = mass_above + n_b.to(tl.float32) * tl.exp2((_unkey(lo) - row_max) * k)
         # top-p over what top-k kept: the largest value whose mass at or above reaches p Z_k.
-        t_p = tl.full([], KEY_NEG_INF, tl.int32)
-        if p_on:
+        if p_done == 0:
             target = top_p * z_k
-            cum = tl.cumsum(tl.exp2((m_sorted - row_max) * k), 0)
-            j = tl.min(tl.where(cum >= target, c, CHUNKS_PAD), 0)
-            lp = tl.where(j < CHUNKS_PAD, _key(_at(m_sorted, c, j)), KEY_NEG_INF)
-            lo0 = tl.maximum(tl.maximum(t_k, lp), t_mp)
-            if k_on & (n_b <= CAP) & (mass_above < target):
-                # The top-k bracket holds the answer and is sorted already.
-                t_p = _read_off(s, e, n_b, lo, n_above, mass_above, True, 0, target, CAP)
+            # Tokens below v0 = M + (log2((1 - p) Z_k / (2 V))) / k hold less than (1 - p) Z_k / 2
+            # (at most V of them, each below exp2((v0 - M) k)): the answer is >= v0.
+            v0 = row_max + tl.log2((1.0 - top_p) * z_k / (2.0 * vocab_size)) / k
+            lo1 = tl.minimum(_key(v0), top - 1)
+            lo1 = tl.maximum(tl.maximum(tl.maximum(t_k, t_mp), lo1),
+                             _chunk_bound(m_c, in_table, row_max, k, True, 0, target, PIVOTS))
+            if k_on & (mass_above >= target):
+                lo1 = tl.maximum(lo1, hi)  # the answer lies above the top-k bracket
+            lo1 = tl.minimum(lo1, top - 1)  # the max always qualifies (p <= 0 keeps it alone)
+            lo, hi, n_above, mass_above, n_b = _search(
+                row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k, scale,
+                True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
+            if n_b <= SMALL:
+                t_p = _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, SMALL)
+            elif n_b <= CAP:
+                t_p = _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, CAP)
             else:
-                lo1 = lo0
-                if k_on & (mass_above >= target):
-                    lo1 = tl.maximum(lo0, hi)
-                lo, hi, n_above, mass_above, n_b = _search(
-                    row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k,
-                    True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
-                if n_b <= CAP:
-                    s, e = _sorted_buffer(buf_ptr, n_b, row_max, k, CAP)
-                    t_p = _read_off(s, e, n_b, lo, n_above, mass_above, True, 0, target, CAP)
-                else:
-                    t_p = lo
-            t_p = tl.maximum(t_p, lo0)
-        t_key = tl.maximum(tl.maximum(t_k, t_p), t_mp)
+                t_p = lo
+        # Every filter keeps the row's max; the clamp only guards against float surprises.
+        t_key = tl.minimum(tl.maximum(tl.maximum(t_k, t_p), t_mp), top - 1)
         z = _rewrite_table(row_ptr, table_m_row, table_w_row, list_ptr, num_chunks, vocab_size, t_key,
                            row_max, k, excluded, CHUNKS_PAD, CHUNK, TILE)
     return _unkey(t_key), z

@@ -45,7 +45,7 @@ PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
 # buffer (tokens sorted in registers; more means fewer counting passes), chunks per tile of the
 # gather / rewrite passes and of the counting passes, pivots per counting pass. Powers of 2.
 FILTER_CAP = int(os.environ.get("SPECDEC_TRITON_FILTER_CAP", "512"))
-FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "16"))
+FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
 FILTER_PIVOT_TILE = 2
 FILTER_PIVOTS = 16
 
@@ -189,7 +189,7 @@ def _row_argmax(row_ptr, row_ok, vocab_size, BLOCK: tl.constexpr):
 def _request_decision(
     b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts, draft_probs_ptr,
     draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, num_rows, vocab_size,
-    max_spec_len, num_splits, seed, offset, k, greedy, filtered, flt_thr_ptr, flt_z_ptr,
+    max_spec_len, num_splits, seed, offset, k, greedy, filtered, table_thr_ptr, table_kept_ptr,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr,
 ):
@@ -216,8 +216,8 @@ def _request_decision(
     if HAS_FILTERS:
         if filtered:
             slot = b * (max_spec_len + 1) + t
-            thr = tl.load(flt_thr_ptr + slot, mask=t <= n, other=float("-inf"), cache_modifier=".cg")
-            row_sum = tl.load(flt_z_ptr + slot, mask=t <= n, other=0.0, cache_modifier=".cg")
+            thr = tl.load(table_thr_ptr + slot, mask=t <= n, other=float("-inf"), cache_modifier=".cg")
+            row_sum = tl.load(table_kept_ptr + slot, mask=t <= n, other=0.0, cache_modifier=".cg")
 
     # Accept tests: draft t is tested against row t.
     is_draft = t < n
@@ -309,7 +309,8 @@ def _rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr, counter_ptr,
-    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, flt_thr_ptr, flt_z_ptr, flt_list_ptr, flt_buf_ptr,
+    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, table_thr_ptr, table_kept_ptr, flt_list_ptr,
+    table_bracket_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
     num_chunks, units_phase1, units_total,
@@ -436,11 +437,11 @@ def _rejection_sample_kernel(
                         f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD)
                         f_thr, f_z = _row_filter(
                             row_ptr, table_m_row, table_w_row, flt_list_ptr + row_slot * CHUNKS_PAD,
-                            flt_buf_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
+                            table_bracket_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
                             excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
                             FILTER_PIVOT_TILE, FILTER_PIVOTS)
-                        tl.store(flt_thr_ptr + row_slot, f_thr)
-                        tl.store(flt_z_ptr + row_slot, f_z)
+                        tl.store(table_thr_ptr + row_slot, f_thr)
+                        tl.store(table_kept_ptr + row_slot, f_z)
                         tl.store(flt_counter_ptr + row_slot, 0)
                         tl.debug_barrier()
                 done = tl.zeros([], tl.int32)
@@ -455,7 +456,7 @@ def _rejection_sample_kernel(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
                         draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
                         num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
-                        k, greedy, filtered, flt_thr_ptr, flt_z_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
+                        k, greedy, filtered, table_thr_ptr, table_kept_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
                         STREAM_ACCEPT, HAS_FILTERS)
                     rows = tl.arange(0, ROWS_PAD)
                     if BLOCK_VERIFY:
@@ -494,7 +495,7 @@ def _rejection_sample_kernel(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
             draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
-            k, greedy, filtered, flt_thr_ptr, flt_z_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
+            k, greedy, filtered, table_thr_ptr, table_kept_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
             STREAM_ACCEPT, HAS_FILTERS)
         rows = tl.arange(0, ROWS_PAD)
         if BLOCK_VERIFY:
@@ -540,7 +541,7 @@ def _rejection_sample_kernel(
         if done == residual_rows * residual_splits - 1:
             tl.debug_barrier()
             needs_residual = does_work
-            res_slot = b * residual_rows
+            res_slot = (b * residual_rows).to(tl.int64)  # the block branch adds the int64 t_star
             if BLOCK_VERIFY:
                 if not greedy:
                     # R_i (rows 1..n'-1) from the residual units' sums, then tau.

@@ -24,7 +24,11 @@ import triton.language as tl
 from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from . import triton_rejection_sample as _chain
 from .triton_filters import _row_filter, filter_workspace_sizes
-from .triton_rejection_sample import (
+from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, for tools; launches read _chain's)
+    FILTER_CAP,
+    FILTER_PIVOT_TILE,
+    FILTER_PIVOTS,
+    FILTER_TILE,
     GROUP,
     NUM_WARPS,
     _open_uniform,
@@ -82,13 +86,13 @@ def _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, row, num_splits, k, SPLITS_PAD
 
 
 @triton.jit
-def _node_filter(flt_thr_ptr, flt_z_ptr, row, row_sum, filtered, HAS_FILTERS: tl.constexpr):
+def _node_filter(table_thr_ptr, table_kept_ptr, row, row_sum, filtered, HAS_FILTERS: tl.constexpr):
     """(threshold, kept mass Z_t) of a node's row for a filtered request; (-inf, row_sum) else."""
     thr = tl.full([], float("-inf"), tl.float32)
     if HAS_FILTERS:
         if filtered:
-            thr = tl.load(flt_thr_ptr + row, cache_modifier=".cg")
-            row_sum = tl.load(flt_z_ptr + row, cache_modifier=".cg")
+            thr = tl.load(table_thr_ptr + row, cache_modifier=".cg")
+            row_sum = tl.load(table_kept_ptr + row, cache_modifier=".cg")
     return thr, row_sum
 
 
@@ -236,7 +240,8 @@ def _tree_rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_nodes_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
-    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, flt_thr_ptr, flt_z_ptr, flt_list_ptr, flt_buf_ptr,
+    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, table_thr_ptr, table_kept_ptr, flt_list_ptr,
+    table_bracket_ptr,
     num_requests, num_nodes, vocab_size, max_depth,
     num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
@@ -339,11 +344,11 @@ def _tree_rejection_sample_kernel(
                         f_sum = tl.sum(tl.where(f_m > NEG_INF, f_s * tl.exp2((f_m - f_max) * k), 0.0), 0)
                         f_thr, f_z = _row_filter(
                             row_ptr, table_m_row, table_w_row, flt_list_ptr + row * CHUNKS_PAD,
-                            flt_buf_ptr + row * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
+                            table_bracket_ptr + row * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
                             excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
                             FILTER_PIVOT_TILE, FILTER_PIVOTS)
-                        tl.store(flt_thr_ptr + row, f_thr)
-                        tl.store(flt_z_ptr + row, f_z)
+                        tl.store(table_thr_ptr + row, f_thr)
+                        tl.store(table_kept_ptr + row, f_z)
                         tl.store(flt_counter_ptr + row, 0)
                         tl.debug_barrier()
                 done = tl.zeros([], tl.int32)
@@ -360,7 +365,7 @@ def _tree_rejection_sample_kernel(
             out_tok = tl.full([DEPTH_PAD], -1, tl.int64)
             out_node = tl.where(depth_lanes == 0, 0, -1).to(tl.int64)
             row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo, num_splits, k, SPLITS_PAD)
-            thr, row_sum = _node_filter(flt_thr_ptr, flt_z_ptr, cu_lo, row_sum, filtered, HAS_FILTERS)
+            thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo, row_sum, filtered, HAS_FILTERS)
             a = tl.zeros([], tl.float32)      # draft probabilities: residual (q - a p)+
             mass = tl.full([], 1.0, tl.float32)  # its total (exactly 1 while a = 0)
             q_out = tl.zeros([], tl.float32)  # deterministic drafts: q of the rejected children
@@ -395,7 +400,7 @@ def _tree_rejection_sample_kernel(
                     v = cand
                     row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo + v, num_splits,
                                                            k, SPLITS_PAD)
-                    thr, row_sum = _node_filter(flt_thr_ptr, flt_z_ptr, cu_lo + v, row_sum, filtered, HAS_FILTERS)
+                    thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo + v, row_sum, filtered, HAS_FILTERS)
                     a = tl.zeros([], tl.float32)
                     mass = tl.full([], 1.0, tl.float32)
                     q_out = tl.zeros([], tl.float32)
