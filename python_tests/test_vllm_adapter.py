@@ -314,9 +314,9 @@ def test_filters_go_to_the_op_without_copying_logits(monkeypatch):
     out = sv.RejectionSampler()(spec_metadata(counts, drafts), None, logits, sm)
     assert seen["logits"] is logits
     assert seen["top_k"].tolist() == [0, 0, vocab, 5, 1, 3] and torch.equal(seen["top_p"], top_p)
-    expected, _ = specdec_kernels.rejection_sample(logits, drafts, cu, None, temperature, expected_seeds(temperature, 5),
-                                                   None, max(counts), "token", torch.where(top_k > 0, top_k, 0),
-                                                   top_p)
+    expected, _ = specdec_kernels.rejection_sample(logits, drafts, cu, None, temperature,
+                                                   expected_seeds(temperature, 5), None, max(counts), "token",
+                                                   torch.where(top_k > 0, top_k, 0), top_p)
     assert torch.equal(out, expected)
     seen.clear()
     greedy = sampling_metadata(torch.zeros(batch), top_k=top_k, top_p=top_p)

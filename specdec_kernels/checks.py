@@ -3,8 +3,9 @@
 ``check_rejection_sample_inputs`` looks only at metadata (shape, dtype, device): it never
 synchronizes with the device and runs on every call of the Python API.
 ``check_rejection_sample_contents`` reads the values (ids, offsets, temperatures, draft
-probabilities, the ranges of top_k / top_p / min_p) and therefore synchronizes; it runs only when asked (``validate=True`` or
-SPECDEC_VALIDATE=1). Errors name the argument and, for contents, the offending request.
+probabilities, the ranges of top_k / top_p / min_p) and therefore synchronizes; it runs only
+when asked (``validate=True`` or SPECDEC_VALIDATE=1). Errors name the argument and, for
+contents, the offending request.
 """
 from __future__ import annotations
 

@@ -400,7 +400,8 @@ def _tree_rejection_sample_kernel(
                     v = cand
                     row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo + v, num_splits,
                                                            k, SPLITS_PAD)
-                    thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo + v, row_sum, filtered, HAS_FILTERS)
+                    thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo + v, row_sum, filtered,
+                                                HAS_FILTERS)
                     a = tl.zeros([], tl.float32)
                     mass = tl.full([], 1.0, tl.float32)
                     q_out = tl.zeros([], tl.float32)
