@@ -629,3 +629,43 @@ def test_cuda_kernel_refuses_filters_and_auto_uses_triton():
     assert torch.equal(auto[0], triton_out[0]) and torch.equal(auto[1], triton_out[1])
     plain = specdec_kernels.rejection_sample(*args)  # no filters: the CUDA kernel as before
     assert plain[0].shape == auto[0].shape
+
+
+# --- GPU: CUDA graphs and back-to-back launches with filters --------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_gpu_graph_replay_with_filters(draft_probs):
+    args = list(random_batch(24, 4, 32000, dtype=torch.bfloat16, draft_probs=draft_probs, seed=5, device="cuda"))
+    filters = [f.cuda() for f in random_filters(24, 32000, seed=5)]
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args] + [f.clone() for f in filters]
+    specdec_kernels.rejection_sample(*static[:8], "token", *static[8:])  # warm-up: compile, workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, num = specdec_kernels.rejection_sample(*static[:8], "token", *static[8:])
+    for step in range(3):
+        static[5].copy_(args[5] + step)
+        static[8].copy_(torch.roll(filters[0], step))  # new per-request settings each replay
+        graph.replay()
+        ref = specdec_kernels.rejection_sample(*args[:5], args[5] + step, *args[6:8], "token",
+                                               torch.roll(filters[0], step), *filters[1:])
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[0]) and torch.equal(num, ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+def test_gpu_back_to_back_filtered_calls_keep_counters_clean():
+    """Filtered and unfiltered launches of varying shapes in a row (the per-row counters reset)."""
+    agree = 0
+    for i in range(30):
+        vocab = [7, 4097, 32000][i % 3]
+        batch = 1 + (i * 7) % 40
+        args = random_batch(batch, 1 + i % 5, vocab, draft_probs=i % 2 == 0, seed=i, device="cuda")
+        filters = [f.cuda() for f in random_filters(batch, vocab, seed=i)] if i % 3 != 1 else [None] * 3
+        out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="triton")
+        ref = specdec_kernels.rejection_sample(*args, "token", *filters, backend="reference")
+        agree += int(torch.equal(out[0].cpu(), ref[0].cpu()))
+    assert agree >= 28
