@@ -15,10 +15,11 @@ max ``M``, its sum ``Z`` and its chunk maxima ``m_c``):
   of the float logits: a lower bound from the chunk maxima (each is a distinct token, so a
   value with k chunk maxima at or above it is <= the k-th largest logit, and one whose chunk
   maxima above it already hold the target mass bounds top-p; two rounds of 16 pivots over
-  the chunk maxima in registers find a tight one), then
+  the chunk maxima in registers find a tight one; top-p also has the closed-form bound
+  ``M + log2((1 - p) Z_k / 2V) / k``), then
   * one pass over the chunks whose max is >= lo gathers the bracket's tokens into a buffer of
-    ``CAP`` entries; if they fit, the buffer is sorted (``CAP`` entries, in registers) and the
-    answer read off exactly as the sort-based definition does;
+    ``CAP`` entries; if they fit, the buffer is sorted (64 or ``CAP`` entries, in registers)
+    and the answer read off exactly as the sort-based definition does;
   * otherwise passes with ``PIVOTS`` pivots each count the tokens and their mass above every
     pivot, narrowing the bracket ~17x per pass, until it fits (or holds one value, which is
     then the answer).
