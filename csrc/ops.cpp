@@ -18,9 +18,11 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method=\"token\") -> (Tensor output_token_ids, Tensor num_accepted)");
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "-> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "tree_rejection_sample(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
-      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth) "
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 }

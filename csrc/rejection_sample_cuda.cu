@@ -164,7 +164,12 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
-    c10::string_view method) {
+    c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
+    const std::optional<at::Tensor>& min_p) {
+  // Sampling filters (#6) are fused in the reference and the Triton kernels only.
+  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
+              ": top_k / top_p / min_p are not implemented in the CUDA kernel; the Triton kernel has them: "
+              "specdec_kernels.rejection_sample(..., backend='triton'), or backend='auto' which picks it");
   const bool block_method = method == "block";
   TORCH_CHECK(method == "token" || block_method, kOp, ": method must be 'token' or 'block', got '",
               std::string(method), "'");

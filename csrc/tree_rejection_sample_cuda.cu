@@ -152,7 +152,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
     const at::Tensor& target_logits, const at::Tensor& tokens, const at::Tensor& parents,
     const at::Tensor& cu_num_nodes, const std::optional<at::Tensor>& draft_probs,
     const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seeds,
-    const std::optional<at::Tensor>& offsets, int64_t max_depth) {
+    const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& top_k,
+    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
+  // Sampling filters (#6) are fused in the reference and the Triton kernels only.
+  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
+              ": top_k / top_p / min_p are not implemented in the CUDA kernel; the Triton kernel has them: "
+              "specdec_kernels.tree_rejection_sample(..., backend='triton'), or backend='auto' which picks it");
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());

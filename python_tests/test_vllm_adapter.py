@@ -294,6 +294,36 @@ def test_filtered_law_is_exact():
     assert chi_square_pvalue(counts, wrong) < 1e-4
 
 
+def test_filters_go_to_the_op_without_copying_logits(monkeypatch):
+    """top_k / top_p reach the op as its arguments (vLLM's disabled values -1 and V as off); the
+    logits are handed over as they are (no filtering pre-pass, no copy)."""
+    vocab, batch = 40, 6
+    args, counts = vllm_batch(batch, 3, vocab, draft_probs=False, seed=9, kind="random")
+    logits, drafts, cu, _, temperature, _, _, _ = args
+    top_k = torch.tensor([0, -1, vocab, 5, 1, 3], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.3, 0.8])
+    seen = {}
+    real = sv._specdec_rejection_sample
+
+    def spy(target_logits, *a, **kw):
+        seen.update(kw, logits=target_logits)
+        return real(target_logits, *a, **kw)
+
+    monkeypatch.setattr(sv, "_specdec_rejection_sample", spy)
+    sm = sampling_metadata(temperature, top_k=top_k, top_p=top_p, generators=seeded_generators(temperature, 5))
+    out = sv.RejectionSampler()(spec_metadata(counts, drafts), None, logits, sm)
+    assert seen["logits"] is logits
+    assert seen["top_k"].tolist() == [0, 0, vocab, 5, 1, 3] and torch.equal(seen["top_p"], top_p)
+    expected, _ = specdec_kernels.rejection_sample(logits, drafts, cu, None, temperature,
+                                                   expected_seeds(temperature, 5), None, max(counts), "token",
+                                                   torch.where(top_k > 0, top_k, 0), top_p)
+    assert torch.equal(out, expected)
+    seen.clear()
+    greedy = sampling_metadata(torch.zeros(batch), top_k=top_k, top_p=top_p)
+    sv.RejectionSampler()(spec_metadata(counts, drafts), None, logits, greedy)
+    assert "top_k" not in seen and "top_p" not in seen  # all greedy: nothing to filter
+
+
 @pytest.mark.parametrize("kind", ["random", "greedy"])
 def test_allowed_token_ids_mask(kind):
     args, counts = vllm_batch(16, 3, 32, draft_probs=True, seed=12, kind=kind)

@@ -21,6 +21,9 @@ def rejection_sample(
     offsets: torch.Tensor | None = None,
     max_spec_len: int | None = None,
     method: str = "token",
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
     *,
     backend: str | None = None,
     validate: bool | None = None,
@@ -58,11 +61,30 @@ def rejection_sample(
         Sun et al. 2024, which keeps the target distribution, never accepts fewer drafts in
         expectation and is optimal (docs/ALGORITHM.md §6). With draft probabilities it reads
         every draft row, not one per request. Greedy requests are the same in both.
+    top_k : Tensor [B], int32 / int64, or None
+        Per request: keep the tokens whose logit is >= the k-th largest of the row (ties kept).
+        0 (or >= V) = off; None = off for every request.
+    top_p : Tensor [B], float32 (float64 / bfloat16 / float16 accepted), or None
+        Per request, in (0, 1]: after top-k, keep the smallest top set whose probability
+        (at the request's temperature, renormalized over what top-k kept) reaches p, the token
+        crossing p and its ties included. 1 = off; None = off for every request.
+    min_p : Tensor [B], float, or None
+        Per request, in [0, 1]: keep the tokens with probability >= min_p * the largest one.
+        0 = off; None = off for every request.
+
+        The filters apply to every target row of a random request (its draft rows and its
+        bonus row), in the order temperature -> top-k -> top-p -> min-p, inside the kernel
+        (a threshold search, no sort; docs/ALGORITHM.md §7): verification and the final token
+        use the filtered target, so the emitted tokens follow it exactly. ``draft_probs``
+        must be what the drafter sampled from (filtered or not is the drafter's business).
+        Greedy requests ignore them.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
+        "auto" runs calls with any of ``top_k`` / ``top_p`` / ``min_p`` on the Triton kernel:
+        the CUDA kernel has no filters yet (it raises if given them).
     validate : bool or None
-        Also check the values (offsets, ids, temperatures, probabilities); synchronizes.
-        None = $SPECDEC_VALIDATE == "1".
+        Also check the values (offsets, ids, temperatures, probabilities, filter ranges);
+        synchronizes. None = $SPECDEC_VALIDATE == "1".
 
     Returns
     -------
@@ -77,21 +99,25 @@ def rejection_sample(
     elif max_spec_len is None:
         max_spec_len = 0
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method)
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
     if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
         check_rejection_sample_contents(target_logits, draft_token_ids, cu_num_draft_tokens,
-                                        draft_probs, temperature, max_spec_len)
+                                        draft_probs, temperature, max_spec_len, top_k, top_p, min_p)
     device = target_logits.device
     backend = resolve_backend(backend, device)
+    filtered = top_k is not None or top_p is not None or min_p is not None
     if seeds is None:
         seeds = ops.draw_seeds(cu_num_draft_tokens.shape[0] - 1, device)
     args = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
             offsets, max_spec_len)
     if backend == "reference":
-        return rejection_sample_reference(*args, method=method)
+        return rejection_sample_reference(*args, method=method, top_k=top_k, top_p=top_p, min_p=min_p)
     if backend == "triton":
-        return ops.triton_call(*args, method)
-    return torch.ops.specdec.rejection_sample(*args, method)
+        return ops.triton_call(*args, method, top_k, top_p, min_p)
+    if filtered and device.type == "cuda" and ops.cuda_kernel_built():
+        # The CUDA kernel has no filters yet: the Triton kernel's op.
+        return torch.ops.specdec._rejection_sample_triton(*args, method, top_k, top_p, min_p)
+    return torch.ops.specdec.rejection_sample(*args, method, top_k, top_p, min_p)
 
 
 def rejection_sample_padded(
@@ -106,6 +132,9 @@ def rejection_sample_padded(
     backend: str | None = None,
     validate: bool | None = None,
     method: str = "token",
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` for padded batches: every request has K draft slots.
 
@@ -118,7 +147,7 @@ def rejection_sample_padded(
     num_draft_tokens : Tensor [B] or None
         Drafts actually proposed per request (<= K); slots past it are ignored and the final
         token of such a request comes from its row ``num_draft_tokens[b]``. None = K for all.
-    temperature, seeds, offsets, method, backend, validate
+    temperature, seeds, offsets, method, top_k, top_p, min_p, backend, validate
         As in ``rejection_sample``.
 
     Returns
@@ -148,4 +177,4 @@ def rejection_sample_padded(
         target_logits.reshape(batch * (k + 1), target_logits.shape[-1]),
         drafts.reshape(batch * k), cu,
         None if draft_probs is None else draft_probs.reshape(batch * k, draft_probs.shape[-1]),
-        temperature, seeds, offsets, k, method, backend=backend, validate=validate)
+        temperature, seeds, offsets, k, method, top_k, top_p, min_p, backend=backend, validate=validate)

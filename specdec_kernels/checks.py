@@ -3,8 +3,9 @@
 ``check_rejection_sample_inputs`` looks only at metadata (shape, dtype, device): it never
 synchronizes with the device and runs on every call of the Python API.
 ``check_rejection_sample_contents`` reads the values (ids, offsets, temperatures, draft
-probabilities) and therefore synchronizes; it runs only when asked (``validate=True`` or
-SPECDEC_VALIDATE=1). Errors name the argument and, for contents, the offending request.
+probabilities, the ranges of top_k / top_p / min_p) and therefore synchronizes; it runs only
+when asked (``validate=True`` or SPECDEC_VALIDATE=1). Errors name the argument and, for
+contents, the offending request.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ METHODS = ("token", "block")
 
 def check_rejection_sample_inputs(
     target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-    seeds, offsets, max_spec_len, method="token",
+    seeds, offsets, max_spec_len, method="token", top_k=None, top_p=None, min_p=None,
 ) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -56,6 +57,7 @@ def check_rejection_sample_inputs(
             "rows (each request's draft rows, then its bonus row)")
     _check_draft_probs(draft_probs, num_drafts, vocab, device)
     _check_request_params(temperature, seeds, offsets, batch, device)
+    _check_filters(top_k, top_p, min_p, batch, device)
     _check_width("max_spec_len", max_spec_len)
 
 
@@ -76,6 +78,38 @@ def _check_request_params(temperature, seeds, offsets, batch: int, device) -> No
                 raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(t.shape)}")
 
 
+FLOAT_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_filters(top_k, top_p, min_p, batch: int, device) -> None:
+    """Shapes, dtypes and devices of the sampling filters (their values: ``_check_filter_values``)."""
+    for name, t, dtypes in (("top_k", top_k, INDEX_DTYPES), ("top_p", top_p, FLOAT_PARAM_DTYPES),
+                            ("min_p", min_p, FLOAT_PARAM_DTYPES)):
+        if t is not None:
+            check_tensor(name, t, ndim=1, dtypes=dtypes, device=device)
+            if t.shape[0] != batch:
+                raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(t.shape)}")
+
+
+def _check_filter_values(top_k, top_p, min_p) -> None:
+    """Value ranges of the filters (synchronizes): top_k >= 0 (0 = off), 0 < top_p <= 1
+    (1 = off), 0 <= min_p <= 1 (0 = off)."""
+    checks = (
+        ("top_k", top_k, lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("top_p", top_p, lambda v: (v > 0) & (v <= 1), "in (0, 1] (1 = off)"),
+        ("min_p", min_p, lambda v: (v >= 0) & (v <= 1), "in [0, 1] (0 = off)"),
+    )
+    for name, t, ok, what in checks:
+        if t is None:
+            continue
+        values = t.detach().to("cpu", torch.int64 if name == "top_k" else torch.float64)
+        bad = torch.nonzero(~ok(values))
+        if bad.numel():
+            b = int(bad[0])
+            value = int(values[b]) if name == "top_k" else float(values[b])
+            raise ValueError(f"{name}[{b}] = {value} must be {what}")
+
+
 def _check_width(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -87,6 +121,7 @@ def _check_width(name: str, value) -> None:
 
 def check_tree_rejection_sample_inputs(
     target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth,
+    top_k=None, top_p=None, min_p=None,
 ) -> None:
     check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
     device = target_logits.device
@@ -104,11 +139,13 @@ def check_tree_rejection_sample_inputs(
     batch = cu_num_nodes.shape[0] - 1
     _check_draft_probs(draft_probs, num_nodes, vocab, device)
     _check_request_params(temperature, seeds, offsets, batch, device)
+    _check_filters(top_k, top_p, min_p, batch, device)
     _check_width("max_depth", max_depth)
 
 
 def check_rejection_sample_contents(
     target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, max_spec_len,
+    top_k=None, top_p=None, min_p=None,
 ) -> None:
     """Value checks (synchronizes). Call after ``check_rejection_sample_inputs``."""
     vocab = target_logits.shape[1]
@@ -138,10 +175,12 @@ def check_rejection_sample_contents(
         raise ValueError(
             f"draft_token_ids[{i}] = {int(ids[i])} (request {b}) is outside the vocabulary [0, {vocab})")
     _check_values(temperature, draft_probs, cu)
+    _check_filter_values(top_k, top_p, min_p)
 
 
 def check_tree_rejection_sample_contents(
     target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, max_depth,
+    top_k=None, top_p=None, min_p=None,
 ) -> None:
     """Value checks of the tree op (synchronizes). Call after the metadata checks."""
     from .tree_utils import check_tree
@@ -149,6 +188,7 @@ def check_tree_rejection_sample_contents(
     check_tree(parents, tokens, cu_num_nodes, vocab_size=target_logits.shape[1],
                deterministic=draft_probs is None, max_depth=max_depth)
     _check_values(temperature, draft_probs, cu_num_nodes.detach().to("cpu", torch.int64))
+    _check_filter_values(top_k, top_p, min_p)
 
 
 def _check_values(temperature, draft_probs, cu) -> None:

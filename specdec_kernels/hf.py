@@ -29,10 +29,10 @@ Design (the simplest that is exactly correct with transformers' cache API):
   and one int64 per step that seeds the op's Philox streams for that request (offsets stay 0,
   as seeds are fresh every step). Same generator seeds => same tokens, whatever the batch.
 - **top-k / top-p** are applied to the draft's logits before it samples or ranks (a chain
-  drafter hands over those standardized probabilities) and to the target's logits before the
-  op (``specdec_kernels.sampling_filters.apply_top_k_top_p``: one sort per row until the op
-  fuses it, #6). The target distribution is then exactly HF's temperature -> top-k -> top-p
-  (ties with the k-th token, or with the token crossing p, are kept).
+  drafter hands over those standardized probabilities; ``sampling_filters.apply_top_k_top_p``)
+  and, for the target, passed to the op, which applies them inside its kernel (#6). The target
+  distribution is then exactly HF's temperature -> top-k -> top-p (ties with the k-th token,
+  or with the token crossing p, are kept).
 - **Verification.** Chains are verified draft by draft (``method="token"``) or jointly
   (``method="block"``, Sun et al. 2024: the same output law, never fewer accepted drafts in
   expectation); trees by ``tree_rejection_sample``, which has no block variant.
@@ -978,18 +978,18 @@ def _verify(rows: list[torch.Tensor], proposals: list, roots: list[int], samplin
 
 
 def _prepare_target_logits(rows: list[torch.Tensor], sampling: list[SamplingParams]
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's target logits (every request's rows, top-k / top-p applied) and temperatures [B]."""
+                           ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The op's target logits (every request's rows), temperatures [B] and its filter arguments
+    (``top_k`` / ``top_p`` [B] when a request uses them: the op applies them in its kernel)."""
     device = rows[0].device
     logits = torch.cat(rows)
     temperature = torch.tensor([max(s.temperature, 0.0) for s in sampling], dtype=torch.float32, device=device)
+    filters = {}
     if any(s.filtered for s in sampling):
-        row_to_request = torch.repeat_interleave(torch.arange(len(rows)),
-                                                 torch.tensor([r.shape[0] for r in rows])).to(device)
-        top_k = torch.tensor([s.top_k for s in sampling], device=device)
-        top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=device)
-        logits = apply_top_k_top_p(logits, top_k, top_p, temperature=temperature, row_to_request=row_to_request)
-    return logits, temperature
+        # The op's conventions: top_k 0 = off, top_p 1 = off.
+        filters["top_k"] = torch.tensor([max(s.top_k, 0) for s in sampling], dtype=torch.int32, device=device)
+        filters["top_p"] = torch.tensor([min(s.top_p, 1.0) for s in sampling], dtype=torch.float32, device=device)
+    return logits, temperature, filters
 
 
 def _step_seeds(generators: list[torch.Generator], device) -> torch.Tensor:
@@ -1013,7 +1013,7 @@ def _verify_chains(rows: list[torch.Tensor], chains: list[DraftChain], sampling:
     """
     device = rows[0].device
     counts = [chain.tokens.numel() for chain in chains]
-    logits, temperature = _prepare_target_logits(rows, sampling)
+    logits, temperature, filters = _prepare_target_logits(rows, sampling)
     drafts = torch.cat([chain.tokens.to(device) for chain in chains])
     draft_probs = None
     if any(chain.probs is not None for chain in chains):
@@ -1024,7 +1024,8 @@ def _verify_chains(rows: list[torch.Tensor], chains: list[DraftChain], sampling:
             else torch.nn.functional.one_hot(chain.tokens.to(device), vocab).to(torch.float32)
             for chain in chains])
     out, num_accepted = rejection_sample(logits, drafts, _cumulative_counts(counts, device), draft_probs,
-                                         temperature, _step_seeds(generators, device), None, max(counts), method)
+                                         temperature, _step_seeds(generators, device), None, max(counts), method,
+                                         **filters)
     num_accepted = num_accepted.tolist()
     out = out.tolist()
     return [out[i][:num_accepted[i] + 1] for i in range(len(chains))]
@@ -1038,7 +1039,7 @@ def _verify_trees(rows: list[torch.Tensor], trees: list[DraftTokenTree], roots: 
     ``rows[i]`` [n_i + 1, V]: the target's logits after request i's root and each of its drafts.
     """
     device = rows[0].device
-    logits, temperature = _prepare_target_logits(rows, sampling)
+    logits, temperature, filters = _prepare_target_logits(rows, sampling)
     tokens = torch.cat([torch.cat([torch.tensor([root], dtype=torch.long, device=device),
                                    tree.tokens.to(device=device, dtype=torch.long)])
                         for root, tree in zip(roots, trees)])
@@ -1046,7 +1047,7 @@ def _verify_trees(rows: list[torch.Tensor], trees: list[DraftTokenTree], roots: 
     cu = _cumulative_counts([tree.tokens.numel() + 1 for tree in trees], device)
     out, accepted_nodes, num_accepted = tree_rejection_sample(
         logits, tokens, parents, cu, None, temperature, _step_seeds(generators, device), None,
-        max(tree.depth for tree in trees))
+        max(tree.depth for tree in trees), **filters)
     num_accepted = num_accepted.tolist()
     out = out.tolist()
     accepted_nodes = accepted_nodes.tolist()

@@ -5,7 +5,9 @@ The schemas are defined once, in C++ (csrc/ops.cpp). Registered here, for each o
 - Meta/fake: output shapes only, for torch.compile and FakeTensor tracing;
 - CUDA: the fused Triton kernel, unless the C++ extension has a fused CUDA kernel for the op
   (which then owns the CUDA key; today rejection_sample). If neither is available, calling
-  the op on CUDA tensors raises an error that says so.
+  the op on CUDA tensors raises an error that says so. The CUDA C++ kernel rejects the
+  sampling filters (top_k / top_p / min_p): the Python API's backend "auto" sends filtered
+  calls to the Triton kernel instead.
 """
 from __future__ import annotations
 
@@ -57,21 +59,25 @@ def inner_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                seeds, offsets, max_spec_len, method="token"):
+                seeds, offsets, max_spec_len, method="token", top_k=None, top_p=None, min_p=None):
     """The Triton chain kernel on checked inputs (seeds drawn when absent)."""
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     tensors = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets)
-    return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len, method=method)
+    filters = (inner_contiguous(t) for t in (top_k, top_p, min_p))
+    return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len, method=method,
+                                   **dict(zip(("top_k", "top_p", "min_p"), filters)))
 
 
 def tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
-                     offsets, max_depth):
+                     offsets, max_depth, top_k=None, top_p=None, min_p=None):
     """The Triton tree kernel on checked inputs (seeds drawn when absent)."""
     if seeds is None:
         seeds = draw_seeds(cu_num_nodes.shape[0] - 1, target_logits.device)
     tensors = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets)
-    return tree_rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_depth)
+    filters = (inner_contiguous(t) for t in (top_k, top_p, min_p))
+    return tree_rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_depth,
+                                        **dict(zip(("top_k", "top_p", "min_p"), filters)))
 
 
 _lib = torch.library.Library("specdec", "IMPL")
@@ -79,20 +85,23 @@ _lib = torch.library.Library("specdec", "IMPL")
 
 @torch.library.register_fake(REJECTION_SAMPLE)
 def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                           temperature, seeds, offsets, max_spec_len, method="token"):
+                           temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
+                           top_p=None, min_p=None):
     batch = cu_num_draft_tokens.shape[0] - 1
     out = target_logits.new_empty((batch, max_spec_len + 1), dtype=torch.int32)
     return out, target_logits.new_empty((batch,), dtype=torch.int32)
 
 
 def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                          temperature, seeds, offsets, max_spec_len, method="token"):
+                          temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
+                          top_p=None, min_p=None):
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method)
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     return rejection_sample_reference(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                      temperature, seeds, offsets, max_spec_len, method=method)
+                                      temperature, seeds, offsets, max_spec_len, method=method,
+                                      top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 def _no_gpu_backend(op: str):
@@ -102,18 +111,19 @@ def _no_gpu_backend(op: str):
 
 
 def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method="token"):
+                                  temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
+                                  top_p=None, min_p=None):
     if rejection_sample_triton is None:
         _no_gpu_backend(REJECTION_SAMPLE)
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method)
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
     return triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                       seeds, offsets, max_spec_len, method)
+                       seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
 
 
 @torch.library.register_fake(TREE_REJECTION_SAMPLE)
 def _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                                seeds, offsets, max_depth):
+                                seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None):
     batch = cu_num_nodes.shape[0] - 1
     out = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
     nodes = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
@@ -121,24 +131,53 @@ def _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, dr
 
 
 def _tree_rejection_sample_cpu(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                               seeds, offsets, max_depth):
+                               seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None):
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth)
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
     if seeds is None:
         seeds = draw_seeds(cu_num_nodes.shape[0] - 1, target_logits.device)
     return tree_rejection_sample_reference(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                           temperature, seeds, offsets, max_depth)
+                                           temperature, seeds, offsets, max_depth, top_k=top_k, top_p=top_p,
+                                           min_p=min_p)
 
 
 def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth):
+                                       temperature, seeds, offsets, max_depth, top_k=None, top_p=None,
+                                       min_p=None):
     if tree_rejection_sample_triton is None:
         _no_gpu_backend(TREE_REJECTION_SAMPLE)
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth)
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
     return tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                            seeds, offsets, max_depth)
+                            seeds, offsets, max_depth, top_k, top_p, min_p)
 
+
+# Private twins of the two ops that always run the Triton kernel on CUDA tensors (the reference
+# on CPU tensors): what the Python API's backend "auto" calls for work the CUDA C++ kernel does
+# not implement (sampling filters, block verification). Ops rather than plain Python calls, so
+# that torch.compile(fullgraph=True) and CUDA graphs see one opaque call either way.
+_TWIN_SCHEMAS = {
+    "_rejection_sample_triton": (
+        "_rejection_sample_triton(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+        "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
+        "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+        "-> (Tensor output_token_ids, Tensor num_accepted)"),
+    "_tree_rejection_sample_triton": (
+        "_tree_rejection_sample_triton(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
+        "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
+        "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+        "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)"),
+}
+_lib_twins = torch.library.Library("specdec", "FRAGMENT")
+for _name, _schema in _TWIN_SCHEMAS.items():
+    if not hasattr(torch.ops.specdec, _name):
+        _lib_twins.define(_schema)
+torch.library.register_fake("specdec::_rejection_sample_triton")(_rejection_sample_fake)
+torch.library.register_fake("specdec::_tree_rejection_sample_triton")(_tree_rejection_sample_fake)
+_lib.impl("_rejection_sample_triton", _rejection_sample_cpu, "CPU")
+_lib.impl("_rejection_sample_triton", _rejection_sample_cuda_triton, "CUDA")
+_lib.impl("_tree_rejection_sample_triton", _tree_rejection_sample_cpu, "CPU")
+_lib.impl("_tree_rejection_sample_triton", _tree_rejection_sample_cuda_triton, "CUDA")
 
 _lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
 _lib.impl("tree_rejection_sample", _tree_rejection_sample_cpu, "CPU")

@@ -17,6 +17,7 @@ from .philox import (
     philox_words,
     uniform_from_word,
 )
+from .sampling_filters import filter_keep_mask, filter_params
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -95,11 +96,17 @@ def rejection_sample_reference(
     max_spec_len: int,
     compute_dtype: torch.dtype = torch.float64,
     method: str = "token",
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain verification over a ragged batch; arguments as ``torch.ops.specdec.rejection_sample``.
 
     ``method="token"`` verifies draft by draft (docs/ALGORITHM.md §1); ``method="block"``
     verifies the block jointly (Sun et al. 2024; docs/ALGORITHM.md §6) with the same streams.
+    ``top_k`` / ``top_p`` / ``min_p`` ([B] or None) filter every target row of a random request
+    by the sort-based definition of ``sampling_filters`` (docs/ALGORITHM.md §7) before anything
+    else: the filtered-out logits become -inf.
 
     Returns (output_token_ids [B, max_spec_len+1] int32, num_accepted [B] int32).
     Out-of-range row or draft indices (a malformed ``cu_num_draft_tokens``) read as rows with
@@ -131,6 +138,7 @@ def rejection_sample_reference(
     temp = temperature.to(compute_dtype)
     greedy = ~(temp > 0)  # 0, negative and NaN temperatures are greedy
     inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
+    logits = _apply_filters(logits, greedy, inv_temp, top_k, top_p, min_p)
 
     # q = softmax(logits / T) per row; rows without a valid logit get q = 0 everywhere.
     row_max = logits.max(-1, keepdim=True).values
@@ -202,6 +210,24 @@ def rejection_sample_reference(
     out[:, :L] = torch.where(keep, x, -1)
     out.scatter_(1, t_star[:, None], token[:, None])
     return out.to(torch.int32), num_accepted.to(torch.int32)
+
+
+def _apply_filters(logits, greedy, inv_temp, top_k, top_p, min_p):
+    """Logits [B, ..., V] with what top-k / top-p / min-p filter out set to -inf (random rows of
+    filtered requests only; the parameters are per request, [B])."""
+    if top_k is None and top_p is None and min_p is None:
+        return logits
+    device = logits.device
+    top_k, top_p, min_p = (None if t is None else t.to(device) for t in (top_k, top_p, min_p))
+    params = filter_params(greedy, top_k, top_p, min_p)
+    shape = logits.shape[:-1]
+    extra = (1,) * (len(shape) - 1)
+
+    def per_row(t):
+        return None if t is None else t.reshape(-1, *extra).expand(shape)
+
+    keep = filter_keep_mask(logits, per_row(inv_temp), *(per_row(t) for t in params))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def _block_verify(q, p_rows, x, x_ok, n, q_x, p_x, u, compute_dtype):
@@ -283,9 +309,13 @@ def tree_rejection_sample_reference(
     offsets: torch.Tensor | None,
     max_depth: int,
     compute_dtype: torch.dtype = torch.float64,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tree verification over a ragged batch (docs/ALGORITHM.md §5); arguments as
-    ``torch.ops.specdec.tree_rejection_sample``.
+    ``torch.ops.specdec.tree_rejection_sample``. The filters act on every node's row as in
+    ``rejection_sample_reference``.
 
     Walks every request's tree from its root, all requests at once, one child test per step.
     Returns (output_token_ids [B, max_depth+1], accepted_nodes [B, max_depth+1],
@@ -314,6 +344,7 @@ def tree_rejection_sample_reference(
         """(q [B, V], argmax [B]) of the given global nodes (-1: a row with no valid logit)."""
         lg = sanitize_logits(_rows(target_logits, nodes).to(compute_dtype))
         lg.masked_fill_((nodes < 0)[:, None], float("-inf"))
+        lg = _apply_filters(lg, greedy, inv_temp, top_k, top_p, min_p)
         row_max = lg.max(-1, keepdim=True).values
         shift = torch.where(row_max > float("-inf"), row_max, 0.0)
         q = (lg - shift).mul_(inv_temp[:, None]).exp_()

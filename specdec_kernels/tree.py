@@ -21,6 +21,9 @@ def tree_rejection_sample(
     seeds: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
     max_depth: int | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
     *,
     backend: str | None = None,
     validate: bool | None = None,
@@ -51,13 +54,19 @@ def tree_rejection_sample(
     max_depth : int or None
         Output width - 1; the walk never descends deeper. None = the largest node count - 1,
         which synchronizes: pass it on the hot path.
+    top_k, top_p, min_p : Tensor [B] or None
+        Per-request sampling filters, as in ``rejection_sample``: they apply to every node's
+        target row of a random request (temperature -> top-k -> top-p -> min-p, inside the
+        kernel); the walk and the final token use the filtered target. Greedy requests ignore
+        them.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (on CUDA tensors: the CUDA C++ kernel when it was
-        built, else the Triton kernel).
+        built, else the Triton kernel; calls with filters run the Triton kernel, since the CUDA
+        C++ kernel does not implement them yet).
     validate : bool or None
         Also check the values (``tree_utils.check_tree``: offsets, root and parent links, ids,
-        distinct siblings for deterministic drafts, depth <= max_depth; temperatures and
-        probabilities); synchronizes. None = $SPECDEC_VALIDATE == "1".
+        distinct siblings for deterministic drafts, depth <= max_depth; temperatures,
+        probabilities and filter ranges); synchronizes. None = $SPECDEC_VALIDATE == "1".
 
     Returns
     -------
@@ -73,17 +82,21 @@ def tree_rejection_sample(
         counts = (cu_num_nodes[1:] - cu_num_nodes[:-1]) if cu_num_nodes.numel() > 1 else None
         max_depth = max(int(counts.max()) - 1, 0) if counts is not None and counts.numel() else 0
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth)
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
     if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
         check_tree_rejection_sample_contents(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                             temperature, max_depth)
+                                             temperature, max_depth, top_k, top_p, min_p)
     device = target_logits.device
     backend = resolve_backend(backend, device, ops.TREE_REJECTION_SAMPLE)
+    filtered = top_k is not None or top_p is not None or min_p is not None
     if seeds is None:
         seeds = ops.draw_seeds(cu_num_nodes.shape[0] - 1, device)
     args = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth)
     if backend == "reference":
-        return tree_rejection_sample_reference(*args)
+        return tree_rejection_sample_reference(*args, top_k=top_k, top_p=top_p, min_p=min_p)
     if backend == "triton":
-        return ops.tree_triton_call(*args)
-    return torch.ops.specdec.tree_rejection_sample(*args)
+        return ops.tree_triton_call(*args, top_k, top_p, min_p)
+    if filtered and device.type == "cuda" and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
+        # A CUDA C++ tree kernel (when built) has no filters: the Triton kernel's op.
+        return torch.ops.specdec._tree_rejection_sample_triton(*args, top_k, top_p, min_p)
+    return torch.ops.specdec.tree_rejection_sample(*args, top_k, top_p, min_p)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .philox import NODE_BITS, SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
+from .triton_filters import _row_filter, filter_workspace_sizes
 
 LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
@@ -40,6 +41,13 @@ BIG_INDEX = 2147483647
 NUM_WARPS = int(os.environ.get("SPECDEC_TRITON_WARPS", "4"))
 GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "8"))
 PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
+# Sampling filters (triton_filters.py, docs/ALGORITHM.md §7), read at each launch: the bracket
+# buffer (tokens sorted in registers; more means fewer counting passes), chunks per tile of the
+# gather / rewrite passes and of the counting passes, pivots per counting pass. Powers of 2.
+FILTER_CAP = int(os.environ.get("SPECDEC_TRITON_FILTER_CAP", "512"))
+FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
+FILTER_PIVOT_TILE = 2
+FILTER_PIVOTS = 16
 
 
 @triton.jit
@@ -110,16 +118,19 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 @triton.jit
 def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row_max, row_sum,
                      seed, offset, node, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
-                     STREAM_SAMPLE: tl.constexpr, scale=1.0):
+                     STREAM_SAMPLE: tl.constexpr, scale=1.0, thr=0.0, FILTERED: tl.constexpr = False):
     """Inverse CDF inside one chunk: the smallest lane with w > 0 and prefix >= u * total.
 
     Weights: q relative to the chunk max with ``excluded`` left out, or (RESIDUAL) the
     residual max(0, scale * q - p) with q = exp2((l - row_max) k) / row_sum (scale = P_tau of
-    block verification, 1 otherwise). -1 if the chunk is empty.
+    block verification, 1 otherwise); with FILTERED, q is 0 below the row's threshold ``thr``.
+    -1 if the chunk is empty.
     """
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     in_row = (offs < vocab_size) & row_ok & (chunk >= 0)
     lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+    if FILTERED:
+        lg = tl.where(lg >= thr, lg, float("-inf"))  # filtered out: as if -inf
     if RESIDUAL:
         q = tl.where(lg > float("-inf"), tl.exp2((lg - row_max) * k) / row_sum, 0.0)
         p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
@@ -178,14 +189,15 @@ def _row_argmax(row_ptr, row_ok, vocab_size, BLOCK: tl.constexpr):
 def _request_decision(
     b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts, draft_probs_ptr,
     draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, num_rows, vocab_size,
-    max_spec_len, num_splits, seed, offset, k, greedy,
+    max_spec_len, num_splits, seed, offset, k, greedy, filtered, table_thr_ptr, table_kept_ptr,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    STREAM_ACCEPT: tl.constexpr,
+    STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr,
 ):
     """Combine a request's phase-1 records and run its accept tests, all positions at once.
 
-    Returns (t_star, drafts, row_max, row_sum, argmax): t_star = accepted drafts; the
-    per-row vectors are indexed by position (argmax is -1 for random requests).
+    Returns (t_star, drafts, row_max, row_sum, argmax, ..., thr): t_star = accepted drafts;
+    the per-row vectors are indexed by position (argmax is -1 for random requests). For a
+    filtered request row_sum is the kept mass Z_t and thr the row's threshold (-inf else).
     """
     t = tl.arange(0, ROWS_PAD)
     s = tl.arange(0, SPLITS_PAD)
@@ -200,6 +212,12 @@ def _request_decision(
     row_sum = tl.sum(tl.where(live, sv * tl.exp2((m - row_max[:, None]) * k), 0.0), 1)
     argmax = tl.min(tl.where(live & (m == row_max[:, None]), am, 2147483647), 1)
     argmax = tl.where(row_max > float("-inf"), argmax, -1)
+    thr = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+    if HAS_FILTERS:
+        if filtered:
+            slot = b * (max_spec_len + 1) + t
+            thr = tl.load(table_thr_ptr + slot, mask=t <= n, other=float("-inf"), cache_modifier=".cg")
+            row_sum = tl.load(table_kept_ptr + slot, mask=t <= n, other=0.0, cache_modifier=".cg")
 
     # Accept tests: draft t is tested against row t.
     is_draft = t < n
@@ -211,7 +229,7 @@ def _request_decision(
     x_ok_row = x_ok & (row >= 0) & (row < num_rows)
     lx = tl.load(logits_ptr + row * logits_row_stride + x, mask=x_ok_row, other=float("-inf")).to(tl.float32)
     lx = _sanitize(lx)
-    q_x = tl.where(x_ok_row & (lx > float("-inf")) & (row_max > float("-inf")),
+    q_x = tl.where(x_ok_row & (lx > float("-inf")) & (row_max > float("-inf")) & (lx >= thr),
                    tl.exp2((lx - row_max) * k) / row_sum, 0.0)
     if HAS_DRAFT_PROBS:
         p_x = tl.load(draft_probs_ptr + d * draft_probs_row_stride + x, mask=x_ok, other=0.0).to(tl.float32)
@@ -224,7 +242,7 @@ def _request_decision(
     else:
         accept = x_ok & (u * p_x < q_x)
     t_star = tl.min(tl.where(is_draft & (accept == 0), t, n), 0)
-    return t_star, x, row_max, row_sum, argmax, q_x, p_x, u, x_ok
+    return t_star, x, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr
 
 
 @triton.jit
@@ -266,6 +284,17 @@ def _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_pt
 
 
 @triton.jit
+def _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD: tl.constexpr):
+    """A row's max and sum of exp2((l - max) k) from its split records."""
+    s = tl.arange(0, SPLITS_PAD)
+    mask = s < num_splits
+    m = tl.load(rec_m_ptr + row_slot * num_splits + s, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    sv = tl.load(rec_s_ptr + row_slot * num_splits + s, mask=mask, other=0.0, cache_modifier=".cg")
+    row_max = tl.max(m, 0)
+    return row_max, tl.sum(tl.where(m > float("-inf"), sv * tl.exp2((m - row_max) * k), 0.0), 0)
+
+
+@triton.jit
 def _pick(vec, t, idx):
     """vec[idx] for a vector indexed by t (a scalar gather from registers)."""
     return tl.sum(tl.where(t == idx, vec, 0), 0)
@@ -280,6 +309,8 @@ def _rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr, counter_ptr,
+    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, table_thr_ptr, table_kept_ptr, flt_list_ptr,
+    table_bracket_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
     num_chunks, units_phase1, units_total,
@@ -288,6 +319,9 @@ def _rejection_sample_kernel(
     ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
+    HAS_FILTERS: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr, FILTER_PIVOT_TILE: tl.constexpr,
+    FILTER_PIVOTS: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -321,6 +355,17 @@ def _rejection_sample_kernel(
         offset = tl.load(offsets_ptr + b).to(tl.int64)
     else:
         offset = tl.zeros([], tl.int64)
+    # Sampling filters (docs/ALGORITHM.md §7): only random requests with one of them on.
+    f_top_k = tl.zeros([], tl.int32)
+    f_top_p = tl.full([], 1.0, tl.float32)
+    f_min_p = tl.zeros([], tl.float32)
+    if HAS_TOP_K:
+        f_top_k = tl.minimum(tl.maximum(tl.load(top_k_ptr + b).to(tl.int64), -1), vocab_size).to(tl.int32)
+    if HAS_TOP_P:
+        f_top_p = tl.load(top_p_ptr + b).to(tl.float32)
+    if HAS_MIN_P:
+        f_min_p = tl.load(min_p_ptr + b).to(tl.float32)
+    filtered = (not greedy) & (((f_top_k > 0) & (f_top_k < vocab_size)) | (f_top_p < 1.0) | (f_min_p > 0.0))
     # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
     lane = tl.arange(0, CHUNK)[None, :]
     chunk_in_group = tl.arange(0, GROUP)
@@ -379,15 +424,40 @@ def _rejection_sample_kernel(
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, am_run)
             tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
+            if HAS_FILTERS:
+                count_in = tl.full([], 1, tl.int32)
+                if filtered:
+                    # The row's last unit finds its threshold (triton_filters.py) and counts the
+                    # whole row on the request; the others leave that to it.
+                    row_slot = b * (max_spec_len + 1) + t
+                    seen = tl.atomic_add(flt_counter_ptr + row_slot, 1, sem="acq_rel")
+                    count_in = tl.where(seen == num_splits - 1, num_splits, 0)
+                    if seen == num_splits - 1:
+                        tl.debug_barrier()
+                        f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD)
+                        f_thr, f_z = _row_filter(
+                            row_ptr, table_m_row, table_w_row, flt_list_ptr + row_slot * CHUNKS_PAD,
+                            table_bracket_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
+                            excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
+                            FILTER_PIVOT_TILE, FILTER_PIVOTS)
+                        tl.store(table_thr_ptr + row_slot, f_thr)
+                        tl.store(table_kept_ptr + row_slot, f_z)
+                        tl.store(flt_counter_ptr + row_slot, 0)
+                        tl.debug_barrier()
+                done = tl.zeros([], tl.int32)
+                if count_in > 0:
+                    done = tl.atomic_add(counter_ptr + b, count_in, sem="acq_rel") + count_in
+            else:
+                done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
             if not HAS_DRAFT_PROBS:
-                if done == (n + 1) * num_splits - 1:
+                if done == (n + 1) * num_splits:
                     tl.debug_barrier()
-                    t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok = _request_decision(
+                    t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
                         draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
                         num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
-                        k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
+                        k, greedy, filtered, table_thr_ptr, table_kept_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
+                        STREAM_ACCEPT, HAS_FILTERS)
                     rows = tl.arange(0, ROWS_PAD)
                     if BLOCK_VERIFY:
                         if not greedy:
@@ -407,7 +477,7 @@ def _rejection_sample_kernel(
                                              t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
                         token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
                                                  x_star, 0.0, 1.0, seed, offset, t_star, False, CHUNK,
-                                                 STREAM_SAMPLE)
+                                                 STREAM_SAMPLE, 1.0, _pick(thr, rows, t_star), HAS_FILTERS)
                         if token < 0:
                             # q minus the rejected draft is empty only if q is a point mass.
                             token = _row_argmax(row_ptr, row_ok, vocab_size, GROUP * CHUNK)
@@ -421,11 +491,12 @@ def _rejection_sample_kernel(
         while seen < need:
             seen = tl.atomic_add(counter_ptr + b, 0, sem="acquire")
         tl.debug_barrier()
-        t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok = _request_decision(
+        t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
             draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
-            k, greedy, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD, STREAM_ACCEPT)
+            k, greedy, filtered, table_thr_ptr, table_kept_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
+            STREAM_ACCEPT, HAS_FILTERS)
         rows = tl.arange(0, ROWS_PAD)
         if BLOCK_VERIFY:
             # Every draft row r < n' gets its residual max(0, P_r q_r - p_r): its mass R_r and
@@ -442,6 +513,7 @@ def _rejection_sample_kernel(
             does_work = (not greedy) & (t_star < n) & (x_star >= 0) & (x_star < vocab_size)
         m_w = _pick(row_max, rows, work_row)
         s_w = _pick(row_sum, rows, work_row)
+        thr_w = _pick(thr, rows, work_row)
         row = cu_lo + b + work_row
         row_ok = (row >= 0) & (row < num_rows)
         row_ptr = logits_ptr + row * logits_row_stride
@@ -455,6 +527,8 @@ def _rejection_sample_kernel(
                 in_row = (offs < vocab_size) & row_ok
                 lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=NEG_INF).to(tl.float32))
                 q = tl.where(lg > NEG_INF, tl.exp2((lg - m_w) * k) / s_w, 0.0)
+                if HAS_FILTERS:
+                    q = tl.where(lg >= thr_w, q, 0.0)
                 p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
                 r = tl.where(q > 0.0, tl.maximum(scale * q - p, 0.0), 0.0)
                 r = tl.where(r == r, r, 0.0)
@@ -483,6 +557,7 @@ def _rejection_sample_kernel(
                     res_slot = b * residual_rows + t_star
                     m_w = _pick(row_max, rows, t_star)
                     s_w = _pick(row_sum, rows, t_star)
+                    thr_w = _pick(thr, rows, t_star)
                     row = cu_lo + b + t_star
                     row_ok = (row >= 0) & (row < num_rows)
                     row_ptr = logits_ptr + row * logits_row_stride
@@ -495,7 +570,8 @@ def _rejection_sample_kernel(
                     chunk = _race_winner(table_r_row, table_r_row, num_chunks, m_w, k, seed, offset,
                                          t_star, False, CHUNKS_PAD, STREAM_SAMPLE)
                     token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_w,
-                                             s_w, seed, offset, t_star, True, CHUNK, STREAM_SAMPLE, scale)
+                                             s_w, seed, offset, t_star, True, CHUNK, STREAM_SAMPLE, scale,
+                                             thr_w, HAS_FILTERS)
                 if token < 0:
                     # q's own sample of row t*: the bonus, an invalid draft's row, or a residual
                     # with no mass (q == p up to rounding), with the same noise.
@@ -503,7 +579,8 @@ def _rejection_sample_kernel(
                                          num_chunks, m_w, k, seed, offset, t_star, True, CHUNKS_PAD,
                                          STREAM_SAMPLE)
                     token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_w,
-                                             s_w, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE)
+                                             s_w, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE, 1.0,
+                                             thr_w, HAS_FILTERS)
             _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_ptr,
                            max_spec_len, ROWS_PAD)
             tl.store(counter_ptr + b, 0)
@@ -560,6 +637,9 @@ def rejection_sample_triton(
     max_spec_len: int,
     num_splits: int | None = None,
     method: str = "token",
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel. Inputs are assumed validated (``specdec_kernels.ops``);
     the vocabulary dim of ``target_logits`` and ``draft_probs`` must be contiguous."""
@@ -593,15 +673,23 @@ def rejection_sample_triton(
     # per target row; residual tables and residual masses per (request, residual row).
     n_table = R * num_chunks
     n_residual = B * residual_rows * num_chunks
-    f32, i32, counters = _workspace(
-        device, 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits,
-        units_phase1, 2 * B + 2)
+    n_f32 = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
+    # Sampling filters: per target row a threshold, Z_t, a bracket buffer, a chunk list, a counter.
+    has_filters = top_k is not None or top_p is not None or min_p is not None
+    filter_rows = B * (L + 1) if has_filters else 0
+    flt_f32, flt_i32 = filter_workspace_sizes(filter_rows, num_chunks, FILTER_CAP)
+    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2 + filter_rows)
+    flt_thr = f32[n_f32:n_f32 + filter_rows]
+    flt_z = f32[n_f32 + filter_rows:n_f32 + 2 * filter_rows]
+    flt_buf = f32[n_f32 + 2 * filter_rows:]
+    flt_list = i32[units_phase1:]
+    flt_counter = counters[2 * B + 2:]
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
     table_w = f32[2 * units_phase1 + n_table:2 * units_phase1 + 2 * n_table]
     table_r = f32[2 * units_phase1 + 2 * n_table:2 * units_phase1 + 2 * n_table + n_residual]
-    residual_sum = f32[2 * units_phase1 + 2 * n_table + n_residual:]
+    residual_sum = f32[2 * units_phase1 + 2 * n_table + n_residual:n_f32]
     _rejection_sample_kernel[(units_total,)](
         target_logits, target_logits.stride(0),
         draft_token_ids, draft_token_ids.shape[0],
@@ -613,6 +701,8 @@ def rejection_sample_triton(
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, residual_sum, counters,
+        top_k if top_k is not None else seeds, top_p if top_p is not None else seeds,
+        min_p if min_p is not None else seeds, flt_counter, flt_thr, flt_z, flt_list, flt_buf,
         B, R, V, L,
         num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
         num_chunks, units_phase1, units_total,
@@ -627,6 +717,14 @@ def rejection_sample_triton(
         GROUP=GROUP,
         STREAM_ACCEPT=STREAM_ACCEPT,
         STREAM_SAMPLE=STREAM_SAMPLE,
+        HAS_FILTERS=has_filters,
+        HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None,
+        HAS_MIN_P=min_p is not None,
+        FILTER_CAP=FILTER_CAP,
+        FILTER_TILE=FILTER_TILE,
+        FILTER_PIVOT_TILE=FILTER_PIVOT_TILE,
+        FILTER_PIVOTS=FILTER_PIVOTS,
         num_warps=NUM_WARPS,
     )
     return out_tokens, num_accepted

@@ -22,7 +22,13 @@ import triton
 import triton.language as tl
 
 from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
-from .triton_rejection_sample import (
+from . import triton_rejection_sample as _chain
+from .triton_filters import _row_filter, filter_workspace_sizes
+from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, for tools; launches read _chain's)
+    FILTER_CAP,
+    FILTER_PIVOT_TILE,
+    FILTER_PIVOTS,
+    FILTER_TILE,
     GROUP,
     NUM_WARPS,
     _open_uniform,
@@ -80,6 +86,17 @@ def _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, row, num_splits, k, SPLITS_PAD
 
 
 @triton.jit
+def _node_filter(table_thr_ptr, table_kept_ptr, row, row_sum, filtered, HAS_FILTERS: tl.constexpr):
+    """(threshold, kept mass Z_t) of a node's row for a filtered request; (-inf, row_sum) else."""
+    thr = tl.full([], float("-inf"), tl.float32)
+    if HAS_FILTERS:
+        if filtered:
+            thr = tl.load(table_thr_ptr + row, cache_modifier=".cg")
+            row_sum = tl.load(table_kept_ptr + row, cache_modifier=".cg")
+    return thr, row_sum
+
+
+@triton.jit
 def _next_child(parents_ptr, cu_lo, n, v, after, NODE_BLOCK: tl.constexpr):
     """The first child of local node v with local index > after, -1 if none. A parent link
     counts only if 0 <= parent < child (the reference's rule)."""
@@ -111,13 +128,17 @@ def _is_child_token(lanes, tokens_ptr, parents_ptr, cu_lo, n, v, vocab_size, NOD
 
 
 @triton.jit
-def _residual_mass(row_ptr, p_ptr, vocab_size, row_max, row_sum, k, a, BLOCK: tl.constexpr):
-    """sum_x max(q(x) - a p(x), 0) over a node's rows (q = exp2((l - max) k) / sum)."""
+def _residual_mass(row_ptr, p_ptr, vocab_size, row_max, row_sum, k, a, thr, BLOCK: tl.constexpr,
+                   FILTERED: tl.constexpr):
+    """sum_x max(q(x) - a p(x), 0) over a node's rows (q = exp2((l - max) k) / sum, 0 below the
+    threshold ``thr`` with FILTERED)."""
     total = tl.zeros([], tl.float32)
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         in_row = offs < vocab_size
         lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+        if FILTERED:
+            lg = tl.where(lg >= thr, lg, float("-inf"))
         q = tl.exp2((lg - row_max) * k) / row_sum
         p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
         r = tl.where(q > 0.0, tl.maximum(q - a * p, 0.0), 0.0)
@@ -128,12 +149,13 @@ def _residual_mass(row_ptr, p_ptr, vocab_size, row_max, row_sum, k, a, BLOCK: tl
 @triton.jit
 def _tree_final_token(
     row_ptr, p_ptr, table_m_row, table_w_row, table_r_row, tokens_ptr, parents_ptr, cu_lo, n, v,
-    exclude_children, a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks,
+    exclude_children, a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
     HAS_DRAFT_PROBS: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    NODE_BLOCK: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
+    NODE_BLOCK: tl.constexpr, STREAM_SAMPLE: tl.constexpr, FILTERED: tl.constexpr,
 ):
     """Sample the residual at node v (local index = its sampling node): the chunk race, then the
-    inverse CDF in the winning chunk. -1 if the residual and q both have no mass."""
+    inverse CDF in the winning chunk. -1 if the residual and q both have no mass. With FILTERED,
+    q is 0 below the row's threshold ``thr`` (the chunk table is already restricted)."""
     c = tl.arange(0, CHUNKS_PAD)
     in_table = c < num_chunks
     lane = tl.arange(0, CHUNK)
@@ -145,6 +167,8 @@ def _tree_final_token(
                 offs = ch * CHUNK + lane
                 in_row = offs < vocab_size
                 lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+                if FILTERED:
+                    lg = tl.where(lg >= thr, lg, float("-inf"))
                 q = tl.exp2((lg - row_max) * k) / row_sum
                 p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
                 r = tl.where(q > 0.0, tl.maximum(q - a * p, 0.0), 0.0)
@@ -174,6 +198,8 @@ def _tree_final_token(
                         offs = ch * CHUNK + lane
                         lg = _sanitize(tl.load(row_ptr + offs, mask=offs < vocab_size,
                                                other=float("-inf")).to(tl.float32))
+                        if FILTERED:
+                            lg = tl.where(lg >= thr, lg, float("-inf"))
                         m_c = tl.max(lg, 0)
                         wl = tl.exp2((lg - tl.where(m_c > float("-inf"), m_c, 0.0)) * k)
                         out = _is_child_token(offs, tokens_ptr, parents_ptr, cu_lo, n, v, vocab_size, NODE_BLOCK)
@@ -188,6 +214,8 @@ def _tree_final_token(
     offs = chunk * CHUNK + lane
     in_row = (offs < vocab_size) & (chunk >= 0)
     lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+    if FILTERED:
+        lg = tl.where(lg >= thr, lg, float("-inf"))
     q = tl.exp2((lg - row_max) * k) / row_sum
     if HAS_DRAFT_PROBS:
         p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
@@ -212,12 +240,17 @@ def _tree_rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_nodes_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
+    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, table_thr_ptr, table_kept_ptr, flt_list_ptr,
+    table_bracket_ptr,
     num_requests, num_nodes, vocab_size, max_depth,
     num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     DEPTH_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, NODE_BLOCK: tl.constexpr, CU_BLOCK: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
+    HAS_FILTERS: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr, FILTER_PIVOT_TILE: tl.constexpr,
+    FILTER_PIVOTS: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -244,6 +277,17 @@ def _tree_rejection_sample_kernel(
             offset = tl.load(offsets_ptr + b).to(tl.int64)
         else:
             offset = tl.zeros([], tl.int64)
+        # Sampling filters (docs/ALGORITHM.md §7): only random requests with one of them on.
+        f_top_k = tl.zeros([], tl.int32)
+        f_top_p = tl.full([], 1.0, tl.float32)
+        f_min_p = tl.zeros([], tl.float32)
+        if HAS_TOP_K:
+            f_top_k = tl.minimum(tl.maximum(tl.load(top_k_ptr + b).to(tl.int64), -1), vocab_size).to(tl.int32)
+        if HAS_TOP_P:
+            f_top_p = tl.load(top_p_ptr + b).to(tl.float32)
+        if HAS_MIN_P:
+            f_min_p = tl.load(min_p_ptr + b).to(tl.float32)
+        filtered = (not greedy) & (((f_top_k > 0) & (f_top_k < vocab_size)) | (f_top_p < 1.0) | (f_min_p > 0.0))
         depth_lanes = tl.arange(0, DEPTH_PAD)
         finalize = unit < 0
         if unit >= units_phase1:
@@ -283,8 +327,36 @@ def _tree_rejection_sample_kernel(
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, tl.where(am_run == 2147483647, -1, am_run))
             tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel")
-            finalize = done == n * num_splits - 1
+            if HAS_FILTERS:
+                count_in = tl.full([], 1, tl.int32)
+                if filtered:
+                    # The row's last unit finds its threshold and counts the whole row.
+                    seen = tl.atomic_add(flt_counter_ptr + row, 1, sem="acq_rel")
+                    count_in = tl.where(seen == num_splits - 1, num_splits, 0)
+                    if seen == num_splits - 1:
+                        tl.debug_barrier()
+                        s_i = tl.arange(0, SPLITS_PAD)
+                        f_m = tl.load(rec_m_ptr + row * num_splits + s_i, mask=s_i < num_splits,
+                                      other=NEG_INF, cache_modifier=".cg")
+                        f_s = tl.load(rec_s_ptr + row * num_splits + s_i, mask=s_i < num_splits, other=0.0,
+                                      cache_modifier=".cg")
+                        f_max = tl.max(f_m, 0)
+                        f_sum = tl.sum(tl.where(f_m > NEG_INF, f_s * tl.exp2((f_m - f_max) * k), 0.0), 0)
+                        f_thr, f_z = _row_filter(
+                            row_ptr, table_m_row, table_w_row, flt_list_ptr + row * CHUNKS_PAD,
+                            table_bracket_ptr + row * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
+                            excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
+                            FILTER_PIVOT_TILE, FILTER_PIVOTS)
+                        tl.store(table_thr_ptr + row, f_thr)
+                        tl.store(table_kept_ptr + row, f_z)
+                        tl.store(flt_counter_ptr + row, 0)
+                        tl.debug_barrier()
+                done = tl.zeros([], tl.int32)
+                if count_in > 0:
+                    done = tl.atomic_add(counter_ptr + b, count_in, sem="acq_rel") + count_in
+            else:
+                done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
+            finalize = done == n * num_splits
         if finalize:
             tl.debug_barrier()
             # The walk (docs/ALGORITHM.md §5), from the root.
@@ -293,6 +365,7 @@ def _tree_rejection_sample_kernel(
             out_tok = tl.full([DEPTH_PAD], -1, tl.int64)
             out_node = tl.where(depth_lanes == 0, 0, -1).to(tl.int64)
             row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo, num_splits, k, SPLITS_PAD)
+            thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo, row_sum, filtered, HAS_FILTERS)
             a = tl.zeros([], tl.float32)      # draft probabilities: residual (q - a p)+
             mass = tl.full([], 1.0, tl.float32)  # its total (exactly 1 while a = 0)
             q_out = tl.zeros([], tl.float32)  # deterministic drafts: q of the rejected children
@@ -303,7 +376,8 @@ def _tree_rejection_sample_kernel(
                 vrow = cu_lo + v
                 lx = _sanitize(tl.load(logits_ptr + vrow * logits_row_stride + x, mask=x_ok,
                                        other=NEG_INF).to(tl.float32))
-                q_x = tl.where(x_ok & (lx > NEG_INF) & (row_max > NEG_INF), tl.exp2((lx - row_max) * k) / row_sum, 0.0)
+                q_x = tl.where(x_ok & (lx > NEG_INF) & (row_max > NEG_INF) & (lx >= thr),
+                               tl.exp2((lx - row_max) * k) / row_sum, 0.0)
                 a0, a1 = _philox_words(seed, offset, STREAM_ACCEPT, cand, 0)
                 u = _uniform(a0)
                 dup = x < -1
@@ -326,6 +400,8 @@ def _tree_rejection_sample_kernel(
                     v = cand
                     row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo + v, num_splits,
                                                            k, SPLITS_PAD)
+                    thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo + v, row_sum, filtered,
+                                                HAS_FILTERS)
                     a = tl.zeros([], tl.float32)
                     mass = tl.full([], 1.0, tl.float32)
                     q_out = tl.zeros([], tl.float32)
@@ -336,7 +412,7 @@ def _tree_rejection_sample_kernel(
                             a = a + mass
                             mass = _residual_mass(logits_ptr + vrow * logits_row_stride,
                                                   draft_probs_ptr + vrow * draft_probs_row_stride, vocab_size,
-                                                  row_max, row_sum, k, a, GROUP * CHUNK)
+                                                  row_max, row_sum, k, a, thr, GROUP * CHUNK, HAS_FILTERS)
                         else:
                             q_out += tl.where(dup, 0.0, q_x)
                     cand = _next_child(parents_ptr, cu_lo, n, v, cand, NODE_BLOCK)
@@ -347,16 +423,16 @@ def _tree_rejection_sample_kernel(
                     logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
                     table_m_ptr + vrow * num_chunks, table_w_ptr + vrow * num_chunks,
                     table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, depth < max_depth,
-                    a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks,
-                    HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE)
+                    a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
+                    HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
                 if token < 0:
                     # An empty residual (all of q's support rejected, or q == p up to rounding): q.
                     token = _tree_final_token(
                         logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
                         table_m_ptr + vrow * num_chunks, table_w_ptr + vrow * num_chunks,
                         table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, False,
-                        tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks,
-                        HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE)
+                        tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
+                        HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
             out_tok = tl.where(depth_lanes == depth, token, out_tok)
             tl.store(out_tokens_ptr + b * (max_depth + 1) + depth_lanes, out_tok.to(tl.int32),
                      mask=depth_lanes <= max_depth)
@@ -377,6 +453,9 @@ def tree_rejection_sample_triton(
     offsets: torch.Tensor | None,
     max_depth: int,
     num_splits: int | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused tree kernel on validated inputs (unit stride along the vocabulary)."""
     device = target_logits.device
@@ -397,12 +476,23 @@ def tree_rejection_sample_triton(
     num_splits = triton.cdiv(num_groups, groups_per_split)
     units_phase1 = N * num_splits
     n_table = N * num_chunks
-    f32, i32, counters = _workspace(device, 2 * units_phase1 + 2 * n_table + B * num_chunks, units_phase1, B + 1)
+    n_f32 = 2 * units_phase1 + 2 * n_table + B * num_chunks
+    # Sampling filters: per node row a threshold, Z_t, a bracket buffer, a chunk list, a counter.
+    has_filters = top_k is not None or top_p is not None or min_p is not None
+    filter_rows = N if has_filters else 0
+    cap = _chain.FILTER_CAP
+    flt_f32, flt_i32 = filter_workspace_sizes(filter_rows, num_chunks, cap)
+    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1 + filter_rows)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
     table_w = f32[2 * units_phase1 + n_table:2 * units_phase1 + 2 * n_table]
-    table_r = f32[2 * units_phase1 + 2 * n_table:]
+    table_r = f32[2 * units_phase1 + 2 * n_table:n_f32]
+    flt_thr = f32[n_f32:n_f32 + filter_rows]
+    flt_z = f32[n_f32 + filter_rows:n_f32 + 2 * filter_rows]
+    flt_buf = f32[n_f32 + 2 * filter_rows:]
+    flt_list = i32[units_phase1:]
+    flt_counter = counters[B + 1:]
     has_draft_probs = draft_probs is not None
     _tree_rejection_sample_kernel[(units_phase1 + B,)](
         target_logits, target_logits.stride(0), tokens, parents, cu_num_nodes,
@@ -412,6 +502,8 @@ def tree_rejection_sample_triton(
         offsets if offsets is not None else seeds,
         out_tokens, out_nodes, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, counters,
+        top_k if top_k is not None else seeds, top_p if top_p is not None else seeds,
+        min_p if min_p is not None else seeds, flt_counter, flt_thr, flt_z, flt_list, flt_buf,
         B, N, V, D, num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
@@ -421,6 +513,9 @@ def tree_rejection_sample_triton(
         CHUNKS_PAD=triton.next_power_of_2(num_chunks),
         CHUNK=SAMPLE_CHUNK, GROUP=GROUP, NODE_BLOCK=NODE_BLOCK, CU_BLOCK=CU_BLOCK,
         STREAM_ACCEPT=STREAM_ACCEPT, STREAM_SAMPLE=STREAM_SAMPLE,
+        HAS_FILTERS=has_filters, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+        HAS_MIN_P=min_p is not None, FILTER_CAP=cap, FILTER_TILE=_chain.FILTER_TILE,
+        FILTER_PIVOT_TILE=_chain.FILTER_PIVOT_TILE, FILTER_PIVOTS=_chain.FILTER_PIVOTS,
         num_warps=NUM_WARPS,
     )
     return out_tokens, out_nodes, num_accepted

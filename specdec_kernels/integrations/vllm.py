@@ -9,7 +9,8 @@ Two entry points:
 - ``RejectionSampler`` (an ``nn.Module``): ``forward(metadata, draft_probs, logits,
   sampling_metadata)`` takes vLLM's full ``[N + B, V]`` logits, whose layout (each request's
   draft rows, then its bonus row) is exactly the op's, and samples the bonus tokens in the
-  same single launch. No copy of the logits unless top-k/top-p or allowed-token masks are set.
+  same single launch. No copy of the logits unless allowed-token masks are set (top-k / top-p
+  are passed to the op, which applies them inside its kernel).
 - ``rejection_sample(...)``: vLLM's module-level function, for callers that have already
   sampled the bonus tokens. It builds an ``[N + B, V]`` tensor whose bonus rows are point
   masses at the given bonus tokens (logit 0 there, -inf elsewhere): exact, but a copy of the
@@ -31,7 +32,6 @@ from torch import nn
 
 from .. import ops
 from ..chain import rejection_sample as _specdec_rejection_sample
-from ..sampling_filters import apply_top_k_top_p
 
 # vLLM's value for the unused slots of the output, and its dtype (int32, as vLLM's
 # SamplerOutput.sampled_token_ids); the op uses the same.
@@ -142,19 +142,47 @@ def request_seeds(generators: dict[int, torch.Generator] | None, batch: int, dev
     return seeds
 
 
-def _constrain_logits(logits: torch.Tensor, sampling_metadata: Any, temperature: torch.Tensor,
-                      row_to_request: torch.Tensor) -> torch.Tensor:
-    """Allowed-token masks and top-k/top-p, applied to the target logits (a copy when any is set)."""
+def _constrain_logits(logits: torch.Tensor, sampling_metadata: Any, row_to_request: torch.Tensor) -> torch.Tensor:
+    """Allowed-token masks, applied to the target logits (a copy when set)."""
     allowed_mask = getattr(sampling_metadata, "allowed_token_ids_mask", None)
     if allowed_mask is not None:
         # vLLM's mask is [max batch, V], True = not allowed; it binds greedy requests too.
         logits = logits.masked_fill(allowed_mask[row_to_request], float("-inf"))
+    return logits
+
+
+def request_filters(sampling_metadata: Any, batch: int, device: torch.device) -> dict:
+    """The op's ``top_k`` / ``top_p`` arguments from vLLM's sampling metadata.
+
+    vLLM's ``top_k`` ([B] int, None when no request uses it; a disabled request holds 0, -1 or
+    the vocabulary size) and ``top_p`` ([B] float, None when unused; 1 = disabled) go to the op,
+    which applies them to every target row of a random request inside its kernel, after the
+    temperature and in that order, as vLLM's sampler and rejection sampler do. Greedy requests
+    ignore them. (vLLM's min-p, a logits processor applied before top-k / top-p, is not read:
+    vLLM's rejection sampler does not apply it to the target either.)
+
+    Returns
+    -------
+    dict
+        ``{"top_k": Tensor [B] int32, "top_p": Tensor [B] float32}``, either key absent when
+        unused; empty for all-greedy batches.
+    """
     if getattr(sampling_metadata, "all_greedy", False):
-        return logits  # greedy verification looks at the argmax, which top-k/top-p always keep
+        return {}  # greedy verification looks at the argmax, which every filter keeps
+    filters = {}
     top_k = getattr(sampling_metadata, "top_k", None)
+    if top_k is not None:
+        top_k = top_k.to(device=device)
+        if top_k.shape != (batch,):
+            raise ValueError(f"sampling_metadata.top_k must have shape ({batch},), got {tuple(top_k.shape)}")
+        filters["top_k"] = torch.where(top_k > 0, top_k, 0).to(torch.int32)  # -1 (disabled) -> 0
     top_p = getattr(sampling_metadata, "top_p", None)
-    # One sort per row until the op fuses top-k/top-p (#6).
-    return apply_top_k_top_p(logits, top_k, top_p, temperature=temperature, row_to_request=row_to_request)
+    if top_p is not None:
+        top_p = top_p.to(device=device)
+        if top_p.shape != (batch,):
+            raise ValueError(f"sampling_metadata.top_p must have shape ({batch},), got {tuple(top_p.shape)}")
+        filters["top_p"] = top_p.to(torch.float32)
+    return filters
 
 
 def rejection_sample(
@@ -222,7 +250,7 @@ def rejection_sample(
 
     requests = torch.arange(batch, device=device)
     request_of_draft = torch.repeat_interleave(requests, cu[1:] - cu[:-1], output_size=num_drafts)
-    draft_logits = _constrain_logits(target_logits, sampling_metadata, temperature, request_of_draft)
+    draft_logits = _constrain_logits(target_logits, sampling_metadata, request_of_draft)
 
     # The op's layout: request b's draft rows at cu[b] + b + t, its bonus row at cu[b + 1] + b.
     logits = target_logits.new_empty((num_drafts + batch, vocab))
@@ -237,7 +265,7 @@ def rejection_sample(
                               skip=[b for b, n in enumerate(num_draft_tokens) if n == 0])
     output_token_ids, _ = _specdec_rejection_sample(
         logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
-        validate=validate)
+        **request_filters(sampling_metadata, batch, device), validate=validate)
     return output_token_ids
 
 
@@ -302,7 +330,7 @@ class RejectionSampler(nn.Module):
             self._check_layout(metadata, cu, requests, counts)
         temperature = request_temperature(sampling_metadata, batch, device)
         row_to_request = torch.repeat_interleave(requests, counts + 1, output_size=num_drafts + batch)
-        target_logits = _constrain_logits(logits, sampling_metadata, temperature, row_to_request)
+        target_logits = _constrain_logits(logits, sampling_metadata, row_to_request)
         if getattr(sampling_metadata, "all_greedy", False):
             seeds = torch.zeros(batch, dtype=torch.int64, device=device)
         else:
@@ -310,7 +338,7 @@ class RejectionSampler(nn.Module):
             seeds = request_seeds(getattr(sampling_metadata, "generators", None), batch, device)
         output_token_ids, _ = _specdec_rejection_sample(
             target_logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
-            validate=self.validate)
+            **request_filters(sampling_metadata, batch, device), validate=self.validate)
         return output_token_ids
 
     @staticmethod

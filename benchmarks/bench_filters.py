@@ -1,0 +1,210 @@
+"""Benchmark of the fused sampling filters (issue #6): filtered vs unfiltered vs a sort pipeline.
+
+Issue #6's bar: with top_k = 50 and top_p = 0.9 on every request, B = 32, K = 4, V = 128256,
+bf16 logits, the filtered call takes at most 2x the unfiltered one. Rows (all on the same
+inputs: bench_rejection_sample.make_inputs, random logits N(0, 2^2) unless --scale, temperature
+1, drafts from a perturbed copy of the target):
+
+- ``triton``: the Triton kernel without filters (the baseline of the bar);
+- ``triton k50 p0.9``: the same call with top_k = 50, top_p = 0.9 (the bar's numerator), and
+  the other filter settings (top-k alone, top-p alone, min-p, all three);
+- ``sort+triton k50 p0.9``: what vLLM does -- fp32 logits / T, ``torch.sort`` of every row,
+  softmax, ``cumsum``, mask, scatter back (vLLM's ``apply_top_k_top_p``) -- then the
+  unfiltered Triton call on the masked fp32 logits; ``sort only`` is that filtering step alone;
+- ``cuda``: the CUDA C++ kernel without filters, when built (it has no filters).
+
+Times as in bench_rejection_sample.py: ``graph`` = GPU time per call from a CUDA graph of
+several calls on distinct input sets (L2 flushed before each replay), ``eager`` = the Python
+call. ``vs_unfiltered`` = graph time over the unfiltered Triton graph time of the same
+configuration. ``--knobs`` also times the filtered call for several FILTER_CAP / FILTER_TILE
+values (triton_rejection_sample.py; each is a separate compile).
+
+    python benchmarks/bench_filters.py --out bench_out            # the bar's configuration (+ fp32 + draft probs)
+    python benchmarks/bench_filters.py --out bench_out --knobs    # + the knob sweep
+    python benchmarks/bench_filters.py --out bench_out --batches 1,8,32,128 --scale 2,4
+
+Writes <out>/bench_filters.csv (card, versions and commit on every row) and <out>/bench_filters.md.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specdec_kernels  # noqa: E402
+from specdec_kernels import triton_rejection_sample as trs  # noqa: E402
+from bench_rejection_sample import (  # noqa: E402
+    DTYPES, copy_bandwidth, floor_us, make_inputs, time_eager, time_graph, versions)
+
+FILTER_SETTINGS = {
+    # name: (top_k, top_p, min_p); None = the argument not passed
+    "k50 p0.9": (50, 0.9, None),
+    "k50": (50, None, None),
+    "p0.9": (None, 0.9, None),
+    "minp0.05": (None, None, 0.05),
+    "k50 p0.9 minp0.05": (50, 0.9, 0.05),
+}
+
+
+def filter_tensors(batch: int, setting) -> dict:
+    top_k, top_p, min_p = setting
+    out = {}
+    if top_k is not None:
+        out["top_k"] = torch.full((batch,), top_k, dtype=torch.int32, device="cuda")
+    if top_p is not None:
+        out["top_p"] = torch.full((batch,), top_p, dtype=torch.float32, device="cuda")
+    if min_p is not None:
+        out["min_p"] = torch.full((batch,), min_p, dtype=torch.float32, device="cuda")
+    return out
+
+
+def scaled_inputs(batch, k, vocab, dtype, probs, seed, scale):
+    inp = make_inputs(batch, k, vocab, DTYPES[dtype], probs, seed)
+    if scale != 2.0:  # make_inputs draws N(0, 2^2) logits
+        logits = inp["target_logits"].float() * (scale / 2.0)
+        inp["target_logits"] = logits.to(DTYPES[dtype])
+    return inp
+
+
+def sort_filter(logits: torch.Tensor, temperature: torch.Tensor, row_to_request: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's sort-based top-k / top-p (v1/sample/ops/topk_topp_sampler.apply_top_k_top_p) on
+    fp32 logits / T: one ascending sort per row, mask by the k-th value and the cumulative
+    probability, scatter back. Returns the masked fp32 logits (at T = 1, divided by T)."""
+    logits = logits.float() / temperature[row_to_request, None]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    k = top_k[row_to_request].long()
+    kth = logits_sort.gather(-1, (logits_sort.shape[-1] - k).clamp(min=0)[:, None])
+    logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    probs_sort = logits_sort.softmax(dim=-1)
+    probs_sum = torch.cumsum(probs_sort, dim=-1, out=probs_sort)
+    mask = probs_sum <= 1 - top_p[row_to_request, None]
+    mask[:, -1] = False  # at least one
+    logits_sort.masked_fill_(mask, float("-inf"))
+    return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--batches", default="32")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--scale", default="2", help="comma list of logit standard deviations")
+    ap.add_argument("--knobs", action="store_true", help="also sweep FILTER_CAP / FILTER_TILE on the bar setting")
+    ap.add_argument("--max-graph-calls", type=int, default=16)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    info = versions()
+    bandwidth = copy_bandwidth()
+    cuda_built = specdec_kernels.available_backends()["cuda"] == "available"
+    print(f"# {info['card']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; torch {info['torch']}, "
+          f"triton {info['triton']}, commit {info['commit']}; CUDA kernel built: {cuda_built}; "
+          f"FILTER_CAP={trs.FILTER_CAP} FILTER_TILE={trs.FILTER_TILE}", flush=True)
+    k = args.k
+    rows = []
+    for scale in (float(s) for s in args.scale.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for dtype, probs in (("bf16", False), ("fp32", True)):
+                floor = floor_us(batch, k, args.vocab, dtype, probs, bandwidth)
+                set_bytes = batch * (k + 1) * args.vocab * (DTYPES[dtype].itemsize + (4 if probs else 0))
+                n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
+                sets = [scaled_inputs(batch, k, args.vocab, dtype, probs, seed, scale) for seed in range(n_sets)]
+                row_to_request = torch.repeat_interleave(torch.arange(batch, device="cuda"), k + 1)
+
+                def call(inp, backend, filters=None):
+                    f = filters or {}
+                    return lambda: specdec_kernels.rejection_sample(
+                        inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"],
+                        inp["draft_probs"], inp["temperature"], inp["seeds"], inp["offsets"], k,
+                        backend=backend, **f)
+
+                def sort_only(inp):
+                    f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
+                    return lambda: sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
+                                               f["top_k"], f["top_p"])
+
+                def sort_then_triton(inp):
+                    f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
+                    ones = torch.ones_like(inp["temperature"])
+
+                    def run():
+                        masked = sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
+                                             f["top_k"], f["top_p"])
+                        return specdec_kernels.rejection_sample(
+                            masked, inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"], ones,
+                            inp["seeds"], inp["offsets"], k, backend="triton")
+                    return run
+
+                variants = [("triton", lambda inp: call(inp, "triton"))]
+                variants += [(f"triton {name}", lambda inp, s=s: call(inp, "triton", filter_tensors(batch, s)))
+                             for name, s in FILTER_SETTINGS.items()]
+                variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
+                if cuda_built:
+                    variants.append(("cuda", lambda inp: call(inp, "cuda")))
+                knob_runs = [(None, None)]
+                if args.knobs:
+                    knob_runs += [(cap, tile) for cap in (64, 256, 512, 1024) for tile in (4, 8, 16)
+                                  if (cap, tile) != (trs.FILTER_CAP, trs.FILTER_TILE)]
+                base_graph = None
+                for knobs in knob_runs:
+                    saved = trs.FILTER_CAP, trs.FILTER_TILE
+                    if knobs != (None, None):
+                        trs.FILTER_CAP, trs.FILTER_TILE = knobs
+                        todo = [(f"triton k50 p0.9 cap={knobs[0]} tile={knobs[1]}",
+                                 lambda inp: call(inp, "triton", filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])))]
+                    else:
+                        todo = variants
+                    try:
+                        for name, make in todo:
+                            eager = time_eager(make(sets[0]))
+                            graph = time_graph([make(s) for s in sets])
+                            if name == "triton":
+                                base_graph = graph
+                            row = dict(info, variant=name, B=batch, K=k, V=args.vocab, logits_dtype=dtype,
+                                       draft_probs="fp32" if probs else "none", logit_std=scale,
+                                       filter_cap=trs.FILTER_CAP, filter_tile=trs.FILTER_TILE,
+                                       floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
+                                       graph_over_floor=round(graph / floor, 3),
+                                       vs_unfiltered=round(graph / base_graph, 3) if base_graph else float("nan"),
+                                       bandwidth_TBps=round(bandwidth / 1e12, 3))
+                            rows.append(row)
+                            print(f"B={batch:4d} K={k} V={args.vocab} {dtype} draft={row['draft_probs']:4s} "
+                                  f"std={scale:g} {name:34s} graph {graph:8.1f} us ({graph / floor:5.2f}x floor, "
+                                  f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
+                    finally:
+                        trs.FILTER_CAP, trs.FILTER_TILE = saved
+                del sets
+                torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "bench_filters.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
+             f"triton {info['triton']}, commit {info['commit']}. K = {k}, V = {args.vocab}. Times in us; graph = GPU time per call in a "
+             "CUDA graph; (x) = graph time over the unfiltered Triton graph time (the bar: <= 2x for k50 p0.9).", "",
+             "| B | logits | draft | std | variant | floor | graph | vs unfiltered | eager |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['logits_dtype']} | {r['draft_probs']} | {r['logit_std']:g} | {r['variant']} | "
+                     f"{r['floor_us']:.1f} | {r['graph_us']:.1f} | {r['vs_unfiltered']:.2f}x | {r['eager_us']:.1f} |")
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "bench_filters.md"), "w") as f:
+        f.write(table)
+    print(table)
+    bar = [r for r in rows if r["variant"] == "triton k50 p0.9" and r["logits_dtype"] == "bf16" and r["B"] == 32
+           and r["draft_probs"] == "none"]
+    for r in bar:
+        verdict = "met" if r["vs_unfiltered"] <= 2.0 else "MISSED"
+        print(f"# bar (B=32, K=4, V={r['V']}, bf16, top_k=50, top_p=0.9, std {r['logit_std']:g}): "
+              f"{r['vs_unfiltered']:.2f}x the unfiltered time -> {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,671 @@
+"""Sampling filters fused into the verify ops (issue #6): per-request top-k, top-p and min-p.
+
+- The definition: ``sampling_filters.filter_keep_mask`` (what the reference applies) against a
+  brute-force loop over each row, on hand-made rows (ties at the k-th token and at the token
+  crossing p, k = 1, k >= V, p tiny, p = 1, min_p = 0 and near 1, NaN / inf, greedy rows) and
+  on random rows with ties.
+- Support: no backend ever emits or accepts a token outside the filtered set.
+- Exactness: the emitted tokens follow the filtered target (chi-square), probabilistic and
+  deterministic drafts, chain (token and block verification) and tree.
+- Agreement: the Triton kernels give the reference's tokens on batches with mixed per-request
+  settings (in Triton's interpreter on CPU machines, also with a bracket buffer of 16 so that
+  the counting passes of the threshold search run; on a GPU at real vocabulary sizes).
+- The API: argument checks, the CUDA C++ kernel's refusal and backend "auto"'s routing to
+  Triton, opcheck, torch.compile, fake shapes.
+"""
+import numpy as np
+import pytest
+import torch
+
+import specdec_kernels
+from specdec_kernels import ops
+from specdec_kernels.sampling_filters import apply_top_k_top_p, filter_keep_mask
+from specdec_kernels.synthetic import MarkovPair, first_tokens_tree, first_two_tokens
+from utils import HAS_CUDA, TRITON_ON_CPU, check_invariants, chi_square_pvalue, gpu_backends, random_batch
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+P_MIN = 1e-4
+SAMPLES = 20000
+INTERPRETER = TRITON_ON_CPU and not HAS_CUDA and "triton" in gpu_backends()
+# Where the statistical tests run: the reference, and every GPU backend that has the filters.
+DIST_BACKENDS = [("reference", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else [])
+# Agreement with the reference: the Triton kernel, on the GPU or in the interpreter.
+FUSED = ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
+         [("triton", "cpu")] if INTERPRETER else [])
+interpreter_only = pytest.mark.skipif(not INTERPRETER, reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
+
+
+# --- the definition ---------------------------------------------------------------------------
+
+def brute_force_keep(row, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0) -> np.ndarray:
+    """docs/ALGORITHM.md §7 for one row, a loop in float64 (boolean keep mask)."""
+    row = np.asarray(row, dtype=np.float64)
+    row = np.where(np.isnan(row), -np.inf, np.where(row == np.inf, FLT_MAX, row))
+    vocab = row.shape[0]
+    keep = np.ones(vocab, dtype=bool)
+    if not temperature > 0:
+        return keep
+    if 0 < top_k < vocab:
+        keep &= row >= np.sort(row)[::-1][top_k - 1]
+    if top_p < 1:
+        kept = np.where(keep, row, -np.inf)
+        best = kept.max()
+        probs = np.exp((kept - best) / temperature) if np.isfinite(best) else np.zeros(vocab)
+        probs = probs / max(probs.sum(), 1e-300)
+        order = np.argsort(-kept, kind="stable")
+        cut, mass = kept[order[-1]], 0.0
+        for token in order:
+            mass += probs[token]
+            if mass >= top_p:
+                cut = kept[token]
+                break
+        keep &= row >= cut
+    if min_p > 0:
+        keep &= (row - row.max()) / temperature >= np.log(min(min_p, 1.0))
+    return keep
+
+
+def _mask(rows, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
+    rows = torch.as_tensor(rows, dtype=torch.float64)
+    n = rows.shape[0]
+    full = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
+    return filter_keep_mask(torch.nan_to_num(rows, nan=float("-inf"), posinf=FLT_MAX),
+                            full(1.0 / temperature, torch.float64), full(top_k, torch.int64),
+                            full(top_p, torch.float64), full(min_p, torch.float64))
+
+
+@pytest.mark.parametrize("row,params,kept", [
+    ([3.0, 1.0, 2.0, 2.0, 0.0], dict(top_k=2), [0, 2, 3]),             # ties with the k-th kept
+    ([5.0, 5.0, 1.0, 0.0], dict(top_k=1), [0, 1]),                     # k = 1, tied maximum
+    ([0.5] * 5, dict(top_k=1), [0, 1, 2, 3, 4]),                       # all tied
+    ([1.0, 3.0, 2.0], dict(top_k=3), [0, 1, 2]),                       # k >= V: off
+    ([1.0, 3.0, 2.0], dict(top_k=0), [0, 1, 2]),                       # k = 0: off
+    ([2.0, 2.0, 1.0, 0.0], dict(top_p=1e-6), [0, 1]),                  # p tiny: the top ties
+    ([4.0, 1.0, 0.0], dict(top_p=1.0), [0, 1, 2]),                     # p = 1: off
+    ([np.log(0.4), np.log(0.3), np.log(0.3), np.log(1e-9)], dict(top_p=0.5), [0, 1, 2]),  # crossing ties kept
+    ([np.log(0.52), np.log(0.3), np.log(0.18)], dict(top_p=0.5), [0]),  # the crossing token itself
+    ([1.0, 0.0, -1.0], dict(min_p=0.0), [0, 1, 2]),                    # min_p = 0: off
+    ([1.0, 1.0 - 1e-4, 0.0], dict(min_p=0.999), [0, 1]),               # min_p near 1
+    ([1.0, 1.0, 0.5], dict(min_p=1.0), [0, 1]),                        # min_p = 1: the max and its ties
+    ([0.0, np.log(0.5), np.log(0.2)], dict(min_p=0.3), [0, 1]),        # prob >= min_p * max prob
+    ([1.0, float("nan"), float("inf"), 0.0], dict(top_k=3), [0, 2, 3]),  # NaN never kept, +inf = FLT_MAX
+    ([3.0, 1.0, 2.0], dict(top_k=1, temperature=0.0), [0, 1, 2]),      # greedy rows: unfiltered
+    # top-p measures the top-k-kept distribution: renormalized over {0, 1}, token 0 holds
+    # 0.55 >= 0.5 (over the whole row it holds 0.38 < 0.5, and token 1 would be kept too).
+    ([np.log(0.38), np.log(0.31), np.log(0.30), np.log(0.01)], dict(top_k=2, top_p=0.5), [0]),
+])
+def test_definition_by_hand(row, params, kept):
+    params = dict(params)
+    temperature = params.pop("temperature", 1.0)
+    expected = np.zeros(len(row), dtype=bool)
+    expected[kept] = True
+    assert np.array_equal(brute_force_keep(row, **params, temperature=temperature), expected)
+    if temperature > 0:
+        assert np.array_equal(_mask([row], **params, temperature=temperature)[0].numpy(), expected)
+    # The drafters' helper (float32): filtered-out logits become -inf, NaN too.
+    out = apply_top_k_top_p(torch.tensor([row], dtype=torch.float32), params.get("top_k"), params.get("top_p"),
+                            min_p=params.get("min_p"), temperature=temperature)
+    if temperature > 0:
+        assert np.array_equal((out[0] > float("-inf")).numpy(), expected)
+
+
+def random_filters(batch: int, vocab: int, seed: int, out_of_range: bool = False):
+    """Mixed per-request settings: each filter off for some requests, edge values for others."""
+    g = torch.Generator().manual_seed(seed)
+    top_k = torch.randint(1, max(2, min(vocab, 64)), (batch,), generator=g)
+    pick = torch.randint(0, 5, (batch,), generator=g)
+    top_k = torch.where(pick == 0, 0, torch.where(pick == 1, 1, torch.where(pick == 2, vocab + 3, top_k)))
+    top_p = torch.rand(batch, generator=g) * 0.98 + 0.01
+    pick = torch.randint(0, 5, (batch,), generator=g)
+    top_p = torch.where(pick == 0, 1.0, torch.where(pick == 1, 1e-6, top_p))
+    min_p = torch.rand(batch, generator=g) * 0.3
+    pick = torch.randint(0, 5, (batch,), generator=g)
+    min_p = torch.where(pick <= 1, 0.0, torch.where(pick == 2, 0.999, min_p))
+    if out_of_range:  # without validate=True these act as documented: off, top-1, max only
+        top_k[0], top_p[1 % batch], min_p[2 % batch] = -3, 0.0, 1.7
+    return top_k.to(torch.int32), top_p.float(), min_p.float()
+
+
+def test_definition_on_random_rows_with_ties():
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 400, 50
+    logits = (torch.randn(rows, vocab, generator=g) * 2).round(decimals=1)  # many ties
+    logits[:, 10] = logits[:, 11]
+    logits[::7, 20:] = float("-inf")
+    top_k, top_p, min_p = random_filters(rows, vocab, seed=1)
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.2
+    keep = filter_keep_mask(logits.double(), 1 / temperature.double(), top_k, top_p.double(), min_p.double())
+    for r in range(rows):
+        expected = brute_force_keep(logits[r].numpy(), int(top_k[r]), float(top_p[r]), float(min_p[r]),
+                                    float(temperature[r]))
+        assert np.array_equal(keep[r].numpy(), expected), r
+
+
+# --- support: never a token outside the filtered set ---------------------------------------------
+
+def _with_specials(args, seed):
+    """random_batch's logits with NaN / +inf / -inf entries and exact ties sprinkled in."""
+    logits = args[0].clone()
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(logits.shape, generator=g)
+    logits[u < 0.02] = float("nan")
+    logits[(u > 0.02) & (u < 0.03)] = float("-inf")
+    logits[:, 1] = logits[:, 2]
+    logits[0, 3] = float("inf")
+    return (logits,) + tuple(args[1:])
+
+
+def _check_support(args, top_k, top_p, min_p, out, num):
+    logits, drafts, cu, _, temperature, _, _, max_spec_len = args
+    logits, out, num = logits.cpu().float(), out.cpu().long(), num.cpu().long()
+    for b in range(cu.shape[0] - 1):
+        for t in range(int(num[b]) + 1):
+            row = logits[int(cu[b]) + b + t].numpy()
+            keep = brute_force_keep(row, int(top_k[b]), float(top_p[b]), float(min_p[b]), float(temperature[b]))
+            token = int(out[b, t])
+            assert 0 <= token < row.shape[0] and keep[token], (b, t, token)
+            assert not np.isnan(row[token])
+
+
+@pytest.mark.parametrize("backend,device", DIST_BACKENDS + ([("triton", "cpu")] if INTERPRETER else []))
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_support_chain(backend, device, draft_probs):
+    vocab, batch = (300, 8) if device == "cpu" and backend == "triton" else (2000, 64)
+    for seed in range(1 if backend == "triton" and device == "cpu" else 3):
+        args = _with_specials(random_batch(batch, 4, vocab, draft_probs=draft_probs, seed=seed, accept_boost=6.0),
+                              seed)
+        filters = random_filters(batch, vocab, seed=seed + 10)
+        to = [None if t is None else t.to(device) for t in args[:7]]
+        out, num = specdec_kernels.rejection_sample(*to, args[7], "token", *(f.to(device) for f in filters),
+                                                    backend=backend)
+        _check_support(args, *filters, out, num)
+
+
+# --- exactness: the emitted tokens follow the filtered target -------------------------------------
+
+VOCAB = 8
+
+
+def _pair() -> MarkovPair:
+    """Flat enough that every case below keeps 2+ tokens and cuts 2+ in the first row."""
+    return MarkovPair.random(VOCAB, seed=11, spread=1.0, mask_token=VOCAB - 1)
+
+
+def filtered_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """softmax(logits / T) restricted to what the filters keep, rows of ``logits`` [.., V]."""
+    rows = logits.float().double().reshape(-1, logits.shape[-1]).numpy()
+    out = np.zeros_like(rows)
+    for i, row in enumerate(rows):
+        keep = brute_force_keep(row, top_k, top_p, min_p, temperature)
+        w = np.where(keep & np.isfinite(row), np.exp((row - row[keep].max()) / temperature), 0.0)
+        out[i] = w / w.sum()
+    return out.reshape(logits.shape)
+
+
+CHAIN_CASES = {
+    # name: (deterministic drafts, temperature, top_k, top_p, min_p, method)
+    "top_k_probabilistic": (False, 1.0, 3, 1.0, 0.0, "token"),
+    "top_p_deterministic": (True, 0.8, 0, 0.8, 0.0, "token"),
+    "min_p_probabilistic": (False, 1.2, 0, 1.0, 0.15, "token"),
+    "all_probabilistic": (False, 1.0, 5, 0.85, 0.05, "token"),
+    "all_deterministic": (True, 1.3, 4, 0.9, 0.1, "token"),
+    "block_all_probabilistic": (False, 1.0, 5, 0.85, 0.05, "block"),
+}
+
+
+def _chain_filtered_sampler(backend, top_k, top_p, min_p, method):
+    def run(logits, drafts, cu, probs, temp, seeds, offs, k):
+        batch = cu.shape[0] - 1
+        device = logits.device
+        return specdec_kernels.rejection_sample(
+            logits, drafts, cu, probs, temp, seeds, offs, k, method,
+            torch.full((batch,), top_k, dtype=torch.int32, device=device),
+            torch.full((batch,), top_p, dtype=torch.float32, device=device),
+            torch.full((batch,), min_p, dtype=torch.float32, device=device), backend=backend)
+    return run
+
+
+@pytest.mark.parametrize("backend,device", DIST_BACKENDS)
+@pytest.mark.parametrize("case", list(CHAIN_CASES))
+def test_chain_follows_the_filtered_target(backend, device, case):
+    deterministic, temperature, top_k, top_p, min_p, method = CHAIN_CASES[case]
+    pair = _pair()
+    counts = torch.full((SAMPLES,), 3)
+    first, second = first_two_tokens(_chain_filtered_sampler(backend, top_k, top_p, min_p, method), pair, SAMPLES,
+                                     counts, temperature, deterministic, seed=123, device=device)
+    law_first = filtered_law(pair.q0, temperature, top_k, top_p, min_p)
+    law_next = filtered_law(pair.Q, temperature, top_k, top_p, min_p)
+    law = law_first[:, None] * law_next
+    assert (law_first == 0).sum() >= 2, "the filters must cut something for the test to mean anything"
+    counts2 = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts2, (first.numpy(), second.numpy()), 1)
+    p_first = chi_square_pvalue(np.bincount(first.numpy(), minlength=VOCAB), law_first)
+    p_joint = chi_square_pvalue(counts2, law)
+    assert p_first > P_MIN, f"first token does not follow the filtered target: p = {p_first:.2e}"
+    assert p_joint > P_MIN, f"first two tokens do not follow the filtered target: p = {p_joint:.2e}"
+
+
+def test_control_unfiltered_law_is_rejected():
+    """The fit can tell the filtered target from the unfiltered one (and from filtering only
+    the draft rows: the bonus and residual rows must be filtered too)."""
+    pair = _pair()
+    first, second = first_two_tokens(_chain_filtered_sampler("reference", 5, 0.85, 0.05, "token"), pair, SAMPLES,
+                                     torch.full((SAMPLES,), 3), 1.0, False, seed=123)
+    counts2 = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts2, (first.numpy(), second.numpy()), 1)
+    assert chi_square_pvalue(counts2, pair.joint_law(1.0).numpy()) < 1e-8
+
+
+TREE_SHAPE = [-1, 0, 0, 1, 1, 2]
+
+
+def _tree_filtered_sampler(backend, top_k, top_p, min_p):
+    def run(logits, tokens, parents, cu, probs, temp, seeds, offs, depth):
+        batch = cu.shape[0] - 1
+        device = logits.device
+        return specdec_kernels.tree_rejection_sample(
+            logits, tokens, parents, cu, probs, temp, seeds, offs, depth,
+            torch.full((batch,), top_k, dtype=torch.int32, device=device),
+            torch.full((batch,), top_p, dtype=torch.float32, device=device),
+            torch.full((batch,), min_p, dtype=torch.float32, device=device), backend=backend)
+    return run
+
+
+@pytest.mark.parametrize("backend,device", DIST_BACKENDS)
+@pytest.mark.parametrize("deterministic,temperature,top_k,top_p,min_p", [
+    (False, 1.0, 3, 0.9, 0.0), (True, 1.0, 0, 0.75, 0.1), (False, 0.8, 3, 1.0, 0.2)])
+def test_tree_follows_the_filtered_target(backend, device, deterministic, temperature, top_k, top_p, min_p):
+    vocab = 5
+    pair = MarkovPair.random(vocab, seed=21, spread=1.2)
+    tokens = first_tokens_tree(_tree_filtered_sampler(backend, top_k, top_p, min_p), pair, SAMPLES, TREE_SHAPE,
+                               temperature, deterministic, seed=7, num_tokens=2, device=device)
+    law_first = filtered_law(pair.q0, temperature, top_k, top_p, min_p)
+    law = law_first[:, None] * filtered_law(pair.Q, temperature, top_k, top_p, min_p)
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (tokens[:, 0].numpy(), tokens[:, 1].numpy()), 1)
+    assert (law_first == 0).sum() >= 1
+    p = chi_square_pvalue(counts, law)
+    assert p > P_MIN, f"the first two tokens do not follow the filtered target: p = {p:.2e}"
+
+
+# --- the threshold search alone ---------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+
+    from specdec_kernels.triton_filters import _row_filter
+
+    @triton.jit
+    def _row_filter_kernel(logits_ptr, vocab, table_m_ptr, table_w_ptr, list_ptr, buf_ptr, max_ptr, sum_ptr, temp_ptr,
+                           top_k_ptr, top_p_ptr, min_p_ptr, thr_ptr, z_ptr, num_chunks, CHUNKS_PAD: tl.constexpr,
+                           CAP: tl.constexpr):
+        r = tl.program_id(0)
+        k = 1.4426950408889634 / tl.load(temp_ptr + r)
+        thr, z = _row_filter(logits_ptr + r * vocab, table_m_ptr + r * num_chunks, table_w_ptr + r * num_chunks,
+                             list_ptr + r * CHUNKS_PAD, buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r),
+                             k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), tl.load(min_p_ptr + r), -1, vocab,
+                             num_chunks, CHUNKS_PAD, 256, CAP, 8, 2, 16)
+        tl.store(thr_ptr + r, thr)
+        tl.store(z_ptr + r, z)
+except ImportError:  # triton is optional
+    _row_filter_kernel = None
+
+
+def row_filter(logits, temperature, top_k, top_p, min_p, cap):
+    """The kernels' threshold search on rows [R, V] (float32), fed what the stream would give it:
+    the chunk maxima and totals, the row max and sum. Returns (threshold, Z_t, chunk totals)."""
+    device = logits.device
+    rows, vocab = logits.shape
+    chunks = (vocab + 255) // 256
+    padded = torch.full((rows, chunks * 256), float("-inf"), device=device)
+    padded[:, :vocab] = torch.nan_to_num(logits, nan=float("-inf"), posinf=FLT_MAX)
+    k = 1.4426950408889634 / temperature
+    m_c = padded.view(rows, chunks, 256).max(-1).values
+    m_safe = torch.where(m_c > float("-inf"), m_c, 0.0)
+    w_c = torch.exp2((padded.view(rows, chunks, 256) - m_safe[..., None]) * k[:, None, None]).sum(-1)
+    row_max = padded.max(-1).values
+    shift = torch.where(row_max > float("-inf"), row_max, 0.0)
+    row_sum = torch.exp2((padded - shift[:, None]) * k[:, None]).sum(-1)
+    pad = triton.next_power_of_2(chunks)
+    thr, z = torch.empty(rows, device=device), torch.empty(rows, device=device)
+    _row_filter_kernel[(rows,)](
+        padded[:, :vocab].contiguous(), vocab, m_c.contiguous(), w_c.contiguous(),
+        torch.zeros(rows * pad, dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
+        row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, z, chunks, CHUNKS_PAD=pad, CAP=cap)
+    return thr, z, w_c
+
+
+@pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
+@pytest.mark.parametrize("vocab", [1, 7, 256, 300, 3000])
+@pytest.mark.parametrize("cap", [2, 16, 512])
+def test_threshold_search_keeps_the_sorted_definition(vocab, cap):
+    """Kept set = the sort-based one exactly (thresholds are row values, no float near-ties on
+    these rows), Z_t and the restricted chunk totals to float rounding; buffers from 2 (every
+    row needs counting passes, and single-value brackets end them) to 512."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(vocab + cap)
+    rows = 12
+    logits = (torch.randn(rows, vocab, generator=g) * 3).round()  # integers: many ties
+    logits[0] = 0.5                                               # one value
+    logits[1, : vocab // 2] = float("-inf")                       # -inf half
+    logits[2] = torch.randn(vocab, generator=g).exp() * 4         # heavy tail
+    logits[3, vocab // 3:] = float("nan")
+    temperature = torch.rand(rows, generator=g) + 0.2
+    top_k, top_p, min_p = random_filters(rows, vocab, seed=vocab * cap)
+    top_k[4], top_p[4], min_p[4] = 0, 0.9, 0.0                    # top-p alone
+    top_k[5], top_p[5], min_p[5] = max(vocab - 1, 1), 1.0, 0.0    # k beyond the finite values
+    top_k[6], top_p[6], min_p[6] = 0, 1.0, 0.3                    # min-p alone
+    top_k[1] = max(vocab - 1, 1)
+    thr, z, w_c = row_filter(logits.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
+                             min_p.to(device), cap)
+    thr, z, w_c = thr.cpu(), z.cpu(), w_c.cpu()
+    clean = torch.nan_to_num(logits, nan=float("-inf"))
+    keep = filter_keep_mask(clean.double(), 1 / temperature.double(), top_k, top_p.double(), min_p.double())
+    finite = clean > float("-inf")  # -inf tokens have no mass, kept or not
+    for r in range(rows):
+        got = (clean[r] >= thr[r]) & finite[r]
+        assert torch.equal(got, keep[r] & finite[r]), (r, int(top_k[r]), float(top_p[r]), float(min_p[r]))
+    k = 1.4426950408889634 / temperature
+    kept = torch.where(keep, clean.double(), float("-inf"))
+    shift = clean.max(-1).values.double()
+    shift = torch.where(shift > float("-inf"), shift, 0.0)
+    z_ref = torch.exp2((kept - shift[:, None]) * k[:, None].double()).sum(-1)
+    assert torch.allclose(z.double(), z_ref, rtol=1e-5)
+    chunks = w_c.shape[1]
+    padded = torch.full((rows, chunks * 256), float("-inf"), dtype=torch.float64)
+    padded[:, :vocab] = kept
+    m_c = torch.nan_to_num(torch.cat([clean, torch.full((rows, chunks * 256 - vocab), float("-inf"))], 1)
+                           .view(rows, chunks, 256).max(-1).values.double(), neginf=0.0)
+    w_ref = torch.exp2((padded.view(rows, chunks, 256) - m_c[..., None]) * k[:, None, None].double()).sum(-1)
+    assert torch.allclose(w_c.double(), w_ref, rtol=1e-5, atol=1e-30)
+
+
+# --- agreement with the reference -------------------------------------------------------------------
+
+def _agree(backend, device, args, filters, method="token"):
+    ref = specdec_kernels.rejection_sample(*args, method, *filters, backend="reference")
+    to = [None if t is None else t.to(device) for t in args[:7]]
+    out, num = specdec_kernels.rejection_sample(*to, args[7], method, *(f.to(device) for f in filters),
+                                                backend=backend)
+    check_invariants(out, num, args)
+    same = (out.cpu() == ref[0]).all(1) & (num.cpu() == ref[1])
+    return same.float().mean().item()
+
+
+@pytest.fixture
+def small_bracket(monkeypatch):
+    """A bracket buffer of 16 tokens: most rows then need counting passes before the sort."""
+    from specdec_kernels import triton_rejection_sample
+    monkeypatch.setattr(triton_rejection_sample, "FILTER_CAP", 16)
+
+
+@interpreter_only
+@pytest.mark.parametrize("draft_probs", [False, True])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_triton_interpreter_agrees_with_reference(draft_probs, method):
+    args = _with_specials(random_batch(6, 3, 700, draft_probs=draft_probs, seed=31 + draft_probs), 5)
+    assert _agree("triton", "cpu", args, random_filters(6, 700, seed=3 + draft_probs, out_of_range=True),
+                  method) == 1.0
+
+
+@interpreter_only
+@pytest.mark.parametrize("vocab,dtype", [(300, torch.float32), (2000, torch.bfloat16), (1, torch.float32)])
+def test_triton_interpreter_counting_passes_agree(small_bracket, vocab, dtype):
+    args = random_batch(6, 2, vocab, dtype=dtype, draft_probs=False, seed=vocab)
+    logits = args[0].clone()
+    if vocab > 1:
+        logits[0] = 0.25          # a whole row of ties
+        logits[1, : vocab // 2] = float("-inf")
+    args = (logits,) + tuple(args[1:])
+    for seed in range(2):
+        top_k, top_p, min_p = random_filters(6, vocab, seed=seed)
+        top_k[1] = vocab - 1      # the k-th value is -inf: split off by the first pass
+        assert _agree("triton", "cpu", args, (top_k, top_p, min_p)) == 1.0
+
+
+@interpreter_only
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_triton_interpreter_tree_agrees_with_reference(small_bracket, draft_probs):
+    from test_tree import _random_trees
+    vocab = 700
+    logits, tokens, parents, cu = _random_trees(8, vocab, seed=vocab + draft_probs)
+    probs = torch.softmax(torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)), -1) \
+        if draft_probs else None
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.6, 1.0, 2.0, 0.9])
+    seeds = torch.arange(8) * 1000 + 17
+    filters = random_filters(8, vocab, seed=9, out_of_range=True)
+    ref = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
+                                                backend="reference")
+    got = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
+                                                backend="triton")
+    plain = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4,
+                                                  backend="reference")
+    for r, o in zip(ref, got):
+        assert torch.equal(r, o)
+    assert not torch.equal(ref[0], plain[0]), "the filters changed nothing: a weak test"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+@pytest.mark.parametrize("vocab", [32000, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_probs", [False, True])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method):
+    total, agree = 0, 0.0
+    for seed in range(2):
+        batch = 64
+        args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, seed=100 * seed + vocab % 97,
+                            device="cuda")
+        filters = random_filters(batch, vocab, seed=seed)
+        filters[0][: batch // 4] = 50  # the benchmark's setting on a quarter of the requests
+        filters[1][: batch // 4] = 0.9
+        rate = _agree("triton", "cuda", args, filters, method)
+        agree += rate * batch
+        total += batch
+    assert agree / total >= 0.99, f"{agree / total:.2%} of {total} requests agree"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_gpu_triton_tree_agrees_with_reference(draft_probs):
+    from test_tree import _random_trees
+    vocab = 32000
+    logits, tokens, parents, cu = _random_trees(32, vocab, seed=3)
+    probs = torch.softmax(torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)), -1) \
+        if draft_probs else None
+    temp = torch.rand(32, generator=torch.Generator().manual_seed(2)) + 0.3
+    seeds = torch.arange(32) * 1000 + 17
+    filters = random_filters(32, vocab, seed=4)
+    ref = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
+                                                backend="reference")
+    cuda = [None if t is None else t.cuda() for t in (logits, tokens, parents, cu, probs, temp, seeds)]
+    got = specdec_kernels.tree_rejection_sample(*cuda, None, 4, *(f.cuda() for f in filters), backend="triton")
+    same = (ref[0] == got[0].cpu()).all(1) & (ref[2] == got[2].cpu())
+    assert same.float().mean().item() >= 0.97
+
+
+@pytest.mark.parametrize("backend,device", DIST_BACKENDS + ([("triton", "cpu")] if INTERPRETER else []))
+def test_greedy_requests_ignore_filters(backend, device):
+    args = random_batch(6, 3, 300, draft_probs=True, seed=2)
+    temperature = torch.zeros(6)
+    args = args[:4] + (temperature,) + args[5:]
+    to = [None if t is None else t.to(device) for t in args[:7]]
+    plain = specdec_kernels.rejection_sample(*to, args[7], backend=backend)
+    filters = (torch.ones(6, dtype=torch.int32), torch.full((6,), 1e-3), torch.full((6,), 0.9))
+    got = specdec_kernels.rejection_sample(*to, args[7], "token", *(f.to(device) for f in filters), backend=backend)
+    assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1])
+
+
+def test_filters_off_equal_no_filters():
+    args = random_batch(8, 3, 100, draft_probs=True, seed=4)
+    off = (torch.zeros(8, dtype=torch.int64), torch.ones(8), torch.zeros(8))
+    plain = specdec_kernels.rejection_sample(*args, backend="reference")
+    got = specdec_kernels.rejection_sample(*args, "token", *off, backend="reference")
+    assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1])
+
+
+# --- the API ------------------------------------------------------------------------------------------
+
+def _args():
+    return list(random_batch(3, 2, 11, draft_probs=True, seed=0))
+
+
+@pytest.mark.parametrize("name,value,exc,match", [
+    ("top_k", torch.ones(3), TypeError, "top_k must have dtype"),
+    ("top_k", torch.ones(4, dtype=torch.int32), ValueError, r"top_k must have shape \(B,\) = \(3,\)"),
+    ("top_p", torch.ones(3, 1), ValueError, "top_p must be 1-D"),
+    ("top_p", torch.ones(3, dtype=torch.int32), TypeError, "top_p must have dtype"),
+    ("min_p", [0.1, 0.1, 0.1], TypeError, "min_p must be a torch.Tensor"),
+])
+def test_filter_argument_errors(name, value, exc, match):
+    with pytest.raises(exc, match=match):
+        specdec_kernels.rejection_sample(*_args(), **{name: value})
+    # Three requests of one node each.
+    tree = (torch.randn(3, 11), torch.zeros(3, dtype=torch.int64), torch.full((3,), -1, dtype=torch.int32),
+            torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+    with pytest.raises(exc, match=match):
+        specdec_kernels.tree_rejection_sample(*tree, max_depth=1, **{name: value})
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_filter_device_error():
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _args()]
+    with pytest.raises(ValueError, match="top_p is on cpu"):
+        specdec_kernels.rejection_sample(*args, top_p=torch.ones(3))
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("top_k", torch.tensor([0, -1, 3]), r"top_k\[1\] = -1 must be >= 0"),
+    ("top_p", torch.tensor([1.0, 0.0, 0.5]), r"top_p\[1\] = 0.0 must be in \(0, 1\]"),
+    ("top_p", torch.tensor([1.5, 1.0, 0.5]), r"top_p\[0\] = 1.5 must be in \(0, 1\]"),
+    ("top_p", torch.tensor([1.0, 1.0, float("nan")]), r"top_p\[2\] = nan"),
+    ("min_p", torch.tensor([0.0, 0.2, 1.2]), r"min_p\[2\] = 1.2\d* must be in \[0, 1\]"),
+])
+def test_filter_ranges_with_validate(name, value, match):
+    specdec_kernels.rejection_sample(*_args(), **{name: value})  # no content check: runs
+    with pytest.raises(ValueError, match=match):
+        specdec_kernels.rejection_sample(*_args(), **{name: value}, validate=True)
+
+
+def test_fake_shapes_with_filters():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        logits = torch.empty(13, 100, dtype=torch.bfloat16)
+        ids = torch.empty(10, dtype=torch.int64)
+        cu = torch.empty(4, dtype=torch.int32)
+        f = (torch.empty(3, dtype=torch.int32), torch.empty(3), torch.empty(3))
+        out, num = torch.ops.specdec.rejection_sample(logits, ids, cu, None, None, None, None, 6, "token", *f)
+        t_out, nodes, t_num = torch.ops.specdec.tree_rejection_sample(
+            logits[:10], ids, ids, cu, None, None, None, None, 4, *f)
+    assert out.shape == (3, 7) and num.shape == (3,)
+    assert t_out.shape == (3, 5) and nodes.shape == (3, 5) and t_num.shape == (3,)
+
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compile_with_filters(device):
+    args = [None if t is None or not isinstance(t, torch.Tensor) else t.to(device)
+            for t in random_batch(5, 3, 37, draft_probs=True, seed=2)]
+    args[7] = 3
+    filters = [f.to(device) for f in random_filters(5, 37, seed=1)]
+    # The public op, and its twin that always runs Triton on CUDA (what "auto" calls when the
+    # CUDA C++ kernel, which refuses filters, owns the public op's CUDA key).
+    ops_to_check = [torch.ops.specdec._rejection_sample_triton.default]
+    if device == "cpu" or not ops.cuda_kernel_built():
+        ops_to_check.append(torch.ops.specdec.rejection_sample.default)
+    for op in ops_to_check:
+        torch.library.opcheck(op, (*args, "token", *filters))
+
+    def verify(logits, ids, cu, probs, temperature, seeds, offsets, top_k, top_p, min_p):
+        out, num = specdec_kernels.rejection_sample(logits, ids, cu, probs, temperature, seeds, offsets, 3,
+                                                    "token", top_k, top_p, min_p)
+        return out, num + 1
+
+    compiled = torch.compile(verify, fullgraph=True, dynamic=True)
+    out, num = compiled(*args[:7], *filters)
+    ref_out, ref_num = verify(*args[:7], *filters)
+    assert torch.equal(out, ref_out) and torch.equal(num, ref_num)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_opcheck_with_filters(device):
+    from test_tree import _random_trees
+    logits, tokens, parents, cu = _random_trees(4, 11, seed=5)
+    filters = tuple(f.to(device) for f in random_filters(4, 11, seed=2))
+    args = tuple(t.to(device) for t in (logits, tokens, parents, cu)) + (
+        None, None, torch.arange(4, device=device), None, 3) + filters
+    ops_to_check = [torch.ops.specdec._tree_rejection_sample_triton.default]
+    if device == "cpu" or not ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
+        ops_to_check.append(torch.ops.specdec.tree_rejection_sample.default)
+    for op in ops_to_check:
+        torch.library.opcheck(op, args)
+
+    @torch.compile(fullgraph=True)
+    def verify(*a):
+        out, nodes, num = specdec_kernels.tree_rejection_sample(*a)
+        return out, nodes, num + 1
+
+    out, nodes, num = verify(*args)
+    ref = specdec_kernels.tree_rejection_sample(*args)
+    assert torch.equal(out, ref[0]) and torch.equal(nodes, ref[1]) and torch.equal(num, ref[2] + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built(), reason="needs the CUDA kernel on a GPU")
+def test_cuda_kernel_refuses_filters_and_auto_uses_triton():
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in random_batch(8, 3, 1000, draft_probs=True, seed=0)]
+    filters = [f.cuda() for f in random_filters(8, 1000, seed=0)]
+    with pytest.raises(RuntimeError, match="top_k / top_p / min_p are not implemented in the CUDA kernel"):
+        torch.ops.specdec.rejection_sample(*args, "token", *filters)
+    with pytest.raises(RuntimeError, match="backend='triton'"):
+        specdec_kernels.rejection_sample(*args, "token", *filters, backend="cuda")
+    auto = specdec_kernels.rejection_sample(*args, "token", *filters)  # auto -> Triton
+    triton_out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="triton")
+    assert torch.equal(auto[0], triton_out[0]) and torch.equal(auto[1], triton_out[1])
+    plain = specdec_kernels.rejection_sample(*args)  # no filters: the CUDA kernel as before
+    assert plain[0].shape == auto[0].shape
+
+
+# --- GPU: CUDA graphs and back-to-back launches with filters --------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_gpu_graph_replay_with_filters(draft_probs):
+    args = list(random_batch(24, 4, 32000, dtype=torch.bfloat16, draft_probs=draft_probs, seed=5, device="cuda"))
+    filters = [f.cuda() for f in random_filters(24, 32000, seed=5)]
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args] + [f.clone() for f in filters]
+    specdec_kernels.rejection_sample(*static[:8], "token", *static[8:])  # warm-up: compile, workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, num = specdec_kernels.rejection_sample(*static[:8], "token", *static[8:])
+    for step in range(3):
+        static[5].copy_(args[5] + step)
+        static[8].copy_(torch.roll(filters[0], step))  # new per-request settings each replay
+        graph.replay()
+        ref = specdec_kernels.rejection_sample(*args[:5], args[5] + step, *args[6:8], "token",
+                                               torch.roll(filters[0], step), *filters[1:])
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[0]) and torch.equal(num, ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+def test_gpu_back_to_back_filtered_calls_keep_counters_clean():
+    """Filtered and unfiltered launches of varying shapes in a row (the per-row counters reset)."""
+    agree = 0
+    for i in range(30):
+        vocab = [7, 4097, 32000][i % 3]
+        batch = 1 + (i * 7) % 40
+        args = random_batch(batch, 1 + i % 5, vocab, draft_probs=i % 2 == 0, seed=i, device="cuda")
+        filters = [f.cuda() for f in random_filters(batch, vocab, seed=i)] if i % 3 != 1 else [None] * 3
+        out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="triton")
+        ref = specdec_kernels.rejection_sample(*args, "token", *filters, backend="reference")
+        agree += int(torch.equal(out[0].cpu(), ref[0].cpu()))
+    assert agree >= 28
