@@ -1,6 +1,7 @@
 // Host-side helpers shared by the torch bindings of the CUDA kernels (rejection_sample_cuda.cu,
-// tree_rejection_sample_cuda.cu): dtype and device checks, layout checks and the cached
-// per-device workspace. Each op keeps its own WorkspaceCache.
+// tree_rejection_sample_cuda.cu): dtype and device checks, layout checks, the per-request
+// kernel parameters and the cached per-device workspace. Each op keeps its own WorkspaceCache.
+// Included by the .cu bindings only (it pulls in a kernel header).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,7 +13,15 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/rejection_sample.cuh"  // the temperature dtype codes (kRsTemperature*)
+
 namespace specdec::binding {
+
+using specdec::kRsTemperatureBFloat16;
+using specdec::kRsTemperatureFloat16;
+using specdec::kRsTemperatureFloat32;
+using specdec::kRsTemperatureFloat64;
+using specdec::kRsTemperatureNone;
 
 inline bool is_logit_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
@@ -32,6 +41,28 @@ inline at::Tensor inner_contiguous(const at::Tensor& t) {
 inline bool rows_vectorizable(const at::Tensor& t) {
   const auto addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
   return addr % 16 == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
+}
+
+// The per-request parameters both ops' kernel params share (same field names): temperature
+// (dtype code, or none), seeds and offsets with their index widths.
+template <typename Params>
+void set_request_params(Params& p, const at::Tensor& temperature, const at::Tensor& seeds, const at::Tensor& offsets) {
+  p.temperature_dtype = kRsTemperatureNone;
+  if (temperature.defined()) {
+    p.temperature = temperature.data_ptr();
+    switch (temperature.scalar_type()) {
+      case at::kFloat: p.temperature_dtype = kRsTemperatureFloat32; break;
+      case at::kDouble: p.temperature_dtype = kRsTemperatureFloat64; break;
+      case at::kBFloat16: p.temperature_dtype = kRsTemperatureBFloat16; break;
+      default: p.temperature_dtype = kRsTemperatureFloat16; break;
+    }
+  }
+  p.seeds = seeds.data_ptr();
+  p.seeds_int64 = seeds.scalar_type() == at::kLong;
+  if (offsets.defined()) {
+    p.offsets = offsets.data_ptr();
+    p.offsets_int64 = offsets.scalar_type() == at::kLong;
+  }
 }
 
 // One op's workspace per device: counters (zero between calls: the kernel's last units reset

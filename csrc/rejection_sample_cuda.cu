@@ -20,8 +20,8 @@
 #include <tuple>
 #include <vector>
 
-#include "binding_common.h"
 #include "kernels/rejection_sample.cuh"
+#include "binding_common.h"
 
 namespace {
 
@@ -108,22 +108,7 @@ void launch(const Call& call) {
     p.draft_probs_row_stride = call.draft_probs.stride(0);
     p.probs_vectorized = rows_vectorizable(call.draft_probs);
   }
-  p.temperature_dtype = specdec::kRsTemperatureNone;
-  if (call.temperature.defined()) {
-    p.temperature = call.temperature.data_ptr();
-    switch (call.temperature.scalar_type()) {
-      case at::kFloat: p.temperature_dtype = specdec::kRsTemperatureFloat32; break;
-      case at::kDouble: p.temperature_dtype = specdec::kRsTemperatureFloat64; break;
-      case at::kBFloat16: p.temperature_dtype = specdec::kRsTemperatureBFloat16; break;
-      default: p.temperature_dtype = specdec::kRsTemperatureFloat16; break;
-    }
-  }
-  p.seeds = call.seeds.data_ptr();
-  p.seeds_int64 = call.seeds.scalar_type() == at::kLong;
-  if (call.offsets.defined()) {
-    p.offsets = call.offsets.data_ptr();
-    p.offsets_int64 = call.offsets.scalar_type() == at::kLong;
-  }
+  binding::set_request_params(p, call.temperature, call.seeds, call.offsets);
   p.output_token_ids = call.out_tokens.data_ptr<int32_t>();
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
   p.counters = counters;
