@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,41 @@ inline at::Tensor inner_contiguous(const at::Tensor& t) {
 inline bool rows_vectorizable(const at::Tensor& t) {
   const auto addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
   return addr % 16 == 0 && (t.size(0) <= 1 || (t.stride(0) * t.element_size()) % 16 == 0);
+}
+
+// The optional inputs both ops take alike: draft_probs [num_rows, vocab] (one row per draft /
+// node), and per request temperature, seeds and offsets [num_requests]. Errors name the argument.
+inline void check_optional_inputs(const char* op, const at::Device& device, int64_t num_rows, int64_t vocab,
+                                  int64_t num_requests, const std::optional<at::Tensor>& draft_probs,
+                                  const std::optional<at::Tensor>& temperature,
+                                  const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets) {
+  if (draft_probs.has_value()) {
+    const at::Tensor& dp = *draft_probs;
+    TORCH_CHECK(dp.dim() == 2, op, ": draft_probs must be 2-D, got shape ", dp.sizes());
+    TORCH_CHECK(is_logit_dtype(dp.scalar_type()), op,
+                ": draft_probs must have dtype float32, bfloat16 or float16, got ", dp.scalar_type());
+    check_device(op, "draft_probs", dp, device);
+    TORCH_CHECK(dp.size(0) == num_rows && dp.size(1) == vocab, op, ": draft_probs must have shape (N, V) = (",
+                num_rows, ", ", vocab, "), got ", dp.sizes());
+  }
+  if (temperature.has_value()) {
+    const at::Tensor& t = *temperature;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == num_requests, op, ": temperature must have shape (B,) = (",
+                num_requests, ",), got ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble ||
+                    t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+                op, ": temperature must have dtype float32, float64, bfloat16 or float16, got ", t.scalar_type());
+    check_device(op, "temperature", t, device);
+  }
+  for (const auto& [name, t] : {std::make_pair("seeds", &seeds), std::make_pair("offsets", &offsets)}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& v = **t;
+    TORCH_CHECK(v.dim() == 1 && v.size(0) == num_requests, op, ": ", name, " must have shape (B,) = (",
+                num_requests, ",), got ", v.sizes());
+    TORCH_CHECK(is_index_dtype(v.scalar_type()), op, ": ", name, " must have dtype int32 or int64, got ",
+                v.scalar_type());
+    check_device(op, name, v, device);
+  }
 }
 
 // The per-request parameters both ops' kernel params share (same field names): temperature

@@ -193,33 +193,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
   TORCH_CHECK(max_spec_len < (int64_t{1} << specdec::kNodeBits), kOp, ": max_spec_len must be < 2^24, got ",
               max_spec_len);
 
-  if (draft_probs.has_value()) {
-    const at::Tensor& dp = *draft_probs;
-    TORCH_CHECK(dp.dim() == 2, kOp, ": draft_probs must be 2-D, got shape ", dp.sizes());
-    TORCH_CHECK(is_logit_dtype(dp.scalar_type()), kOp,
-                ": draft_probs must have dtype float32, bfloat16 or float16, got ", dp.scalar_type());
-    check_device("draft_probs", dp, device);
-    TORCH_CHECK(dp.size(0) == num_drafts && dp.size(1) == vocab, kOp, ": draft_probs must have shape (N, V) = (",
-                num_drafts, ", ", vocab, "), got ", dp.sizes());
-  }
-  if (temperature.has_value()) {
-    const at::Tensor& t = *temperature;
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == num_requests, kOp, ": temperature must have shape (B,) = (",
-                num_requests, ",), got ", t.sizes());
-    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble ||
-                    t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
-                kOp, ": temperature must have dtype float32, float64, bfloat16 or float16, got ", t.scalar_type());
-    check_device("temperature", t, device);
-  }
-  for (const auto& [name, t] : {std::make_pair("seeds", &seeds), std::make_pair("offsets", &offsets)}) {
-    if (!t->has_value()) continue;
-    const at::Tensor& v = **t;
-    TORCH_CHECK(v.dim() == 1 && v.size(0) == num_requests, kOp, ": ", name, " must have shape (B,) = (",
-                num_requests, ",), got ", v.sizes());
-    TORCH_CHECK(is_index_dtype(v.scalar_type()), kOp, ": ", name, " must have dtype int32 or int64, got ",
-                v.scalar_type());
-    check_device(name, v, device);
-  }
+  binding::check_optional_inputs(kOp, device, num_drafts, vocab, num_requests, draft_probs, temperature, seeds,
+                                 offsets);
 
   const c10::cuda::CUDAGuard guard(device);
   const auto int32_options = at::TensorOptions().dtype(at::kInt).device(device);
