@@ -34,6 +34,7 @@ from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, f
     _open_uniform,
     _philox_words,
     _race_winner,
+    _row_stats,
     _sanitize,
     _stream_tile,
     _target_programs,
@@ -335,13 +336,7 @@ def _tree_rejection_sample_kernel(
                     count_in = tl.where(seen == num_splits - 1, num_splits, 0)
                     if seen == num_splits - 1:
                         tl.debug_barrier()
-                        s_i = tl.arange(0, SPLITS_PAD)
-                        f_m = tl.load(rec_m_ptr + row * num_splits + s_i, mask=s_i < num_splits,
-                                      other=NEG_INF, cache_modifier=".cg")
-                        f_s = tl.load(rec_s_ptr + row * num_splits + s_i, mask=s_i < num_splits, other=0.0,
-                                      cache_modifier=".cg")
-                        f_max = tl.max(f_m, 0)
-                        f_sum = tl.sum(tl.where(f_m > NEG_INF, f_s * tl.exp2((f_m - f_max) * k), 0.0), 0)
+                        f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row, num_splits, k, SPLITS_PAD)
                         f_thr, f_z = _row_filter(
                             row_ptr, table_m_row, table_w_row, flt_list_ptr + row * CHUNKS_PAD,
                             table_bracket_ptr + row * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
