@@ -8,6 +8,10 @@
 #   VERIFY_SHARE=1                             (also benchmarks/bench_verify_share.py: the op's
 #                                               share of a verify step on random-weight LLMs)
 #   TEST_TIMEOUT=420                           (seconds for the whole test run)
+#   DIAGNOSE=1                                 (scripts/diagnose_block_agreement.py: block-mode
+#                                               disagreements with the reference, issue #9)
+#   FILTER_BENCH=1                             (benchmarks/bench_filters.py: issue #6's bar)
+#   TREE_BENCH="64"                            (benchmarks/bench_tree_rejection_sample.py --nodes ...)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +51,23 @@ if [ "${VERIFY_SHARE:-0}" = "1" ]; then
   start=$(date +%s)
   timeout 300 python3 benchmarks/bench_verify_share.py --out "$OUT" 2>&1 | grep -v Warning | tail -20 | tee "$OUT/verify_share.log"
   echo "verify share: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${DIAGNOSE:-0}" = "1" ]; then
+  timeout 240 python3 scripts/diagnose_block_agreement.py 2>&1 | tee "$OUT/diagnose.log" | tail -40
+fi
+
+if [ "${FILTER_BENCH:-0}" = "1" ]; then
+  start=$(date +%s)
+  timeout 300 python3 benchmarks/bench_filters.py --out "$OUT" 2>&1 | tee "$OUT/bench_filters.log" | tail -30
+  echo "filter bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ -n "${TREE_BENCH:-}" ]; then
+  start=$(date +%s)
+  timeout 300 python3 benchmarks/bench_tree_rejection_sample.py --nodes "$TREE_BENCH" --batches ${TREE_BATCHES:-1,32} \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_tree.log" | tail -30
+  echo "tree bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 [ "${BENCH:-core}" = "0" ] && exit 0
