@@ -102,6 +102,10 @@ def compile_kernel(which: str) -> int:
                            options={"num_warps": getattr(module, "NUM_WARPS", 4)})
         except Exception as error:  # report the variant, then fail
             print(f"FAILED {which} {logits_type} {setting}: {type(error).__name__}: {error}", file=sys.stderr)
+            cause = error.__cause__ or error.__context__
+            while cause is not None:  # the nested call's error says what is wrong
+                print(f"caused by {type(cause).__name__}: {cause}", file=sys.stderr)
+                cause = cause.__cause__ or cause.__context__
             return 1
         count += 1
     print(f"compiled {which}: {count} variants for sm_90")

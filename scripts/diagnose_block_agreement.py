@@ -27,8 +27,12 @@ for dtype in (torch.float32, torch.bfloat16):
                             device="cuda")
         cpu_args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in args]
         ref_out, ref_num = specdec_kernels.rejection_sample(*cpu_args, backend="reference", method=a.method)
-        ref64 = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in cpu_args]
-        r64_out, r64_num = specdec_kernels.rejection_sample(*ref64, backend="reference", method=a.method)
+        # Near-tie probe: does the reference itself flip under a relative perturbation of 1e-6?
+        pert = list(cpu_args)
+        pert[0] = (cpu_args[0].float() * (1 + 1e-6)).to(cpu_args[0].dtype) if dtype == torch.float32 else cpu_args[0]
+        if pert[3] is not None:
+            pert[3] = cpu_args[3] * (1 + 1e-6)
+        p_out, p_num = specdec_kernels.rejection_sample(*pert, backend="reference", method=a.method)
         runs = [specdec_kernels.rejection_sample(*args, backend=a.backend, method=a.method) for _ in range(a.repeats)]
         outs = [(o.cpu(), n.cpu()) for o, n in runs]
         det = all(torch.equal(o, outs[0][0]) and torch.equal(n, outs[0][1]) for o, n in outs)
@@ -46,7 +50,7 @@ for dtype in (torch.float32, torch.bfloat16):
         for b in bad:
             lo, hi = int(cu[b]), int(cu[b + 1])
             print(f"  req {b}: drafts {cpu_args[1][lo:hi].tolist()} T={float(cpu_args[4][b]):.4f}"
-                  f" ref {ref_out[b].tolist()}/{int(ref_num[b])} fp64-ref {r64_out[b].tolist()}/{int(r64_num[b])}"
+                  f" ref {ref_out[b].tolist()}/{int(ref_num[b])} perturbed-ref {p_out[b].tolist()}/{int(p_num[b])}"
                   f" {a.backend} {out[b].tolist()}/{int(num[b])}")
         if extra:
             print("  " + extra)

@@ -99,44 +99,54 @@ def _min_p_key(row_max, k, log2_min_p):
 
 
 @triton.jit
-def _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD: tl.constexpr):
-    """Write the ids of the chunks whose max has key >= lo to list_ptr (ascending) and return
-    how many: only those can hold a token with key >= lo."""
-    c = tl.arange(0, CHUNKS_PAD)
-    in_table = c < num_chunks
-    m_c = tl.load(table_m_row + c, mask=in_table, other=float("-inf"), cache_modifier=".cg")
+def _qualify(m_c, in_table, lo):
+    """The chunks whose max has key >= lo (only those can hold a token with key >= lo): the
+    hit mask, each hit's rank among them (ascending chunk order) and how many there are. All
+    in registers: the loops below turn ranks into chunk ids without a memory round trip."""
     hit = in_table & (_key(m_c) >= lo)
-    pos = tl.cumsum(hit.to(tl.int32), 0) - 1
-    tl.store(list_ptr + pos, c, mask=hit)
-    tl.debug_barrier()
-    return tl.sum(hit.to(tl.int32), 0)
+    rank = tl.cumsum(hit.to(tl.int32), 0) - 1
+    return hit, rank, tl.sum(hit.to(tl.int32), 0)
 
 
 @triton.jit
-def _listed_tile(row_ptr, list_ptr, n_listed, start, vocab_size, TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """The logits of the listed chunks start .. start + TILE - 1, flattened: (logits, index, in range)."""
-    j = tl.arange(0, TILE * CHUNK)
-    slot = start + j // CHUNK
-    ok = slot < n_listed
-    chunk = tl.load(list_ptr + slot, mask=ok, other=0)
-    offs = chunk * CHUNK + j % CHUNK
-    ok = ok & (offs < vocab_size)
-    lg = _clean(tl.load(row_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32))
-    return lg, offs, ok
+def _listed_chunks(hit, rank, start, TILE: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """The ids of the hit chunks of ranks start .. start + TILE - 1 ([TILE], 0 past the end)
+    and which of them exist."""
+    c = tl.arange(0, CHUNKS_PAD)
+    j = start + tl.arange(0, TILE)
+    match = hit[None, :] & (rank[None, :] == j[:, None])  # [TILE, CHUNKS_PAD]
+    return tl.sum(tl.where(match, c[None, :], 0), 1), tl.sum(match.to(tl.int32), 1) > 0
 
 
 @triton.jit
-def _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP: tl.constexpr,
-            TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """Copy the logits with lo <= key < hi of the listed chunks to buf_ptr (the first CAP of
-    them, in index order) and return how many there are (possibly more than CAP)."""
+def _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK: tl.constexpr):
+    """The raw logits of the listed chunks, one tile row per chunk: [TILE, CHUNK] (and offsets,
+    in-range mask). Issued one tile ahead of its use by the loops (prefetch)."""
+    offs = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    ok = listed[:, None] & (offs < vocab_size)
+    return tl.load(row_ptr + offs, mask=ok, other=float("-inf")), offs, ok
+
+
+@triton.jit
+def _gather(row_ptr, hit, rank, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP: tl.constexpr,
+            TILE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Copy the logits with lo <= key < hi of the listed chunks, and their vocabulary indices,
+    to buf_ptr / idx_ptr (the first CAP of them, in index order) and return how many there are
+    (possibly more than CAP)."""
     count = tl.zeros([], tl.int32)
+    chunk, listed = _listed_chunks(hit, rank, 0, TILE, CHUNKS_PAD)
+    raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
     for start in range(0, n_listed, TILE):
-        lg, offs, ok = _listed_tile(row_ptr, list_ptr, n_listed, start, vocab_size, TILE, CHUNK)
+        raw, offs, ok = raw_next, offs_next, ok_next
+        chunk, listed = _listed_chunks(hit, rank, start + TILE, TILE, CHUNKS_PAD)
+        raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+        lg = tl.reshape(_clean(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
-        inside = (ok & (key >= lo) & (key < hi)).to(tl.int32)
+        inside = (tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)).to(tl.int32)
         pos = count + tl.cumsum(inside, 0) - 1
-        tl.store(buf_ptr + pos, lg, mask=(inside > 0) & (pos < CAP))
+        keep = (inside > 0) & (pos < CAP)
+        tl.store(buf_ptr + pos, lg, mask=keep)
+        tl.store(idx_ptr + pos, tl.reshape(offs, [TILE * CHUNK]), mask=keep)
         count += tl.sum(inside, 0)
     tl.debug_barrier()
     return count
@@ -175,18 +185,23 @@ def _pivots(lo, hi, scale, PIVOTS: tl.constexpr):
 
 
 @triton.jit
-def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
-                TILE: tl.constexpr, CHUNK: tl.constexpr):
+def _pivot_pass(row_ptr, hit, rank, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
+                TILE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """The pivots of the bracket [lo, hi) (``_pivots``) and, for each, the count and the mass
     exp2((l - row_max) k) of the bracket's tokens at or above it; also the bracket's count."""
     piv = _pivots(lo, hi, scale, PIVOTS)
     cnt = tl.zeros([PIVOTS], tl.int32)
     mass = tl.zeros([PIVOTS], tl.float32)
     n_in = tl.zeros([], tl.int32)
+    chunk, listed = _listed_chunks(hit, rank, 0, TILE, CHUNKS_PAD)
+    raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
     for start in range(0, n_listed, TILE):
-        lg, offs, ok = _listed_tile(row_ptr, list_ptr, n_listed, start, vocab_size, TILE, CHUNK)
+        raw, ok = raw_next, ok_next
+        chunk, listed = _listed_chunks(hit, rank, start + TILE, TILE, CHUNKS_PAD)
+        raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+        lg = tl.reshape(_clean(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
-        inside = ok & (key >= lo) & (key < hi)
+        inside = tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)
         e = tl.where(inside, tl.exp2((lg - row_max) * k), 0.0)
         c, m = _count_above(key, e, inside, piv, PIVOTS)
         cnt += c
@@ -196,7 +211,7 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
 
 
 @triton.jit
-def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k, scale,
+def _search(row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
             by_mass, goal_count, goal_mass, lo, hi,
             CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
             PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
@@ -205,22 +220,23 @@ def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row
     is not, the answer is taken to be lo) and nothing to count at or above hi.
 
     Returns (lo, hi, n_above, mass_above, n_b): n_above / mass_above count the tokens with key
-    >= hi; n_b the tokens in [lo, hi), which are in the buffer when n_b <= CAP (else the
-    bracket holds a single key, lo, which is then the answer).
+    >= hi; n_b the tokens in [lo, hi), which are in the buffer (values and indices, in index
+    order) when n_b <= CAP (else the bracket holds a single key, lo, which is then the answer).
     """
     n_above = tl.zeros([], tl.int32)
     mass_above = tl.zeros([], tl.float32)
-    n_listed = _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD)
+    hit, rank, n_listed = _qualify(m_c, in_table, lo)
     # Each listed chunk's max is in the bracket: more than CAP of them cannot fit.
     n_b = n_listed
     if n_listed <= CAP:
-        n_b = _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP, TILE, CHUNK)
+        n_b = _gather(row_ptr, hit, rank, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK,
+                      CHUNKS_PAD)
     passes = tl.zeros([], tl.int32)
     i = tl.arange(0, PIVOTS)
     while (n_b > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
-        n_listed = _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD)
-        piv, cnt, mass, n_in = _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size,
-                                           PIVOTS, PIVOT_TILE, CHUNK)
+        hit, rank, n_listed = _qualify(m_c, in_table, lo)
+        piv, cnt, mass, n_in = _pivot_pass(row_ptr, hit, rank, n_listed, lo, hi, row_max, k, scale, vocab_size,
+                                           PIVOTS, PIVOT_TILE, CHUNK, CHUNKS_PAD)
         holds = tl.where(by_mass, mass_above + mass >= goal_mass, n_above + cnt >= goal_count)
         n_true = tl.max(tl.where(holds, i + 1, 0), 0)  # the answer is in [piv[n_true-1], piv[n_true])
         n_from = tl.where(n_true > 0, _at(cnt, i, n_true - 1), n_in)
@@ -234,8 +250,8 @@ def _search(row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row
         mass_above += mass_up
         passes += 1
     if ((passes > 0) | (n_listed > CAP)) & (n_b <= CAP):
-        n_listed = _qualify(table_m_row, num_chunks, lo, list_ptr, CHUNKS_PAD)
-        _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, vocab_size, CAP, TILE, CHUNK)
+        hit, rank, n_listed = _qualify(m_c, in_table, lo)
+        _gather(row_ptr, hit, rank, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK, CHUNKS_PAD)
     return lo, hi, n_above, mass_above, n_b
 
 
@@ -263,33 +279,67 @@ def _read_off(s, e, n_b, lo, n_above, mass_above, by_mass, goal_count, goal_mass
 
 
 @triton.jit
-def _rewrite_table(row_ptr, table_m_row, table_w_row, list_ptr, num_chunks, vocab_size, t_key,
-                   row_max, k, excluded, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _rewrite_table(row_ptr, m_c, in_table, table_w_row, vocab_size, t_key, row_max, k, excluded,
+                   CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
     """Restrict the row's chunk table to the kept tokens (key >= t_key): W_c = sum over them of
     exp2((l - m_c) k), ``excluded`` left out as in the stream, 0 for chunks with none; returns
-    Z_t = sum over the kept tokens of exp2((l - row_max) k) (``excluded`` included)."""
+    Z_t = sum over the kept tokens of exp2((l - row_max) k) (``excluded`` included). One pass
+    over the chunks whose max is kept."""
+    hit, rank, n_listed = _qualify(m_c, in_table, t_key)
     c = tl.arange(0, CHUNKS_PAD)
-    in_table = c < num_chunks
-    m_c = tl.load(table_m_row + c, mask=in_table, other=float("-inf"), cache_modifier=".cg")
-    hit = in_table & (_key(m_c) >= t_key)
     tl.store(table_w_row + c, tl.zeros([CHUNKS_PAD], tl.float32), mask=in_table & (hit == 0))
-    n_listed = _qualify(table_m_row, num_chunks, t_key, list_ptr, CHUNKS_PAD)
     thr = _unkey(t_key)
     z = tl.zeros([], tl.float32)
+    chunk, listed = _listed_chunks(hit, rank, 0, TILE, CHUNKS_PAD)
+    raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
     for start in range(0, n_listed, TILE):
-        lg, offs, ok = _listed_tile(row_ptr, list_ptr, n_listed, start, vocab_size, TILE, CHUNK)
-        slot = start + tl.arange(0, TILE)
-        chunk = tl.load(list_ptr + slot, mask=slot < n_listed, other=0)
-        m_t = tl.load(table_m_row + chunk, mask=slot < n_listed, other=float("-inf"), cache_modifier=".cg")
-        m_safe = tl.where(m_t > float("-inf"), m_t, 0.0)
+        raw, offs, ok, cur_chunk, cur_listed = raw_next, offs_next, ok_next, chunk, listed
+        chunk, listed = _listed_chunks(hit, rank, start + TILE, TILE, CHUNKS_PAD)
+        raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+        lg = _clean(raw.to(tl.float32))
+        # The listed chunks' maxima, from registers.
+        m_t = tl.sum(tl.where(c[None, :] == cur_chunk[:, None], m_c[None, :], 0.0), 1)
+        m_safe = tl.where(cur_listed & (m_t > float("-inf")), m_t, 0.0)
         # exp2((l - m_c) k) of the kept tokens, one tile row per chunk.
-        kept = tl.reshape(ok & (lg >= thr), [TILE, CHUNK])
-        w = tl.where(kept, tl.exp2((tl.reshape(lg, [TILE, CHUNK]) - m_safe[:, None]) * k), 0.0)
+        kept = ok & (lg >= thr)
+        w = tl.where(kept, tl.exp2((lg - m_safe[:, None]) * k), 0.0)
         total = tl.sum(w, 1)
         z += tl.sum(tl.where(total > 0.0, total * tl.exp2((m_safe - row_max) * k), 0.0), 0)
-        ex = tl.reshape(offs, [TILE, CHUNK]) == excluded
-        w_out = tl.sum(tl.where(ex, 0.0, w), 1)
-        tl.store(table_w_row + chunk, w_out, mask=slot < n_listed)
+        w_out = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
+        tl.store(table_w_row + cur_chunk, w_out, mask=cur_listed)
+    return z
+
+
+@triton.jit
+def _segment_sum(va, fa, vb, fb):
+    """Combine of a segmented inclusive sum over (value, starts a segment) pairs."""
+    return tl.where(fb, vb, va + vb), fa | fb
+
+
+@triton.jit
+def _rewrite_from_buffer(buf_ptr, idx_ptr, n_b, table_m_row, table_w_row, in_table, t_key, row_max, k,
+                         excluded, S: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """``_rewrite_table`` when the buffer holds every token with key >= t_key (a complete
+    bracket [lo, top) with lo <= t_key): the kept tokens and their chunks come from the buffer,
+    in index order, so a segmented sum gives each chunk's total without touching the row."""
+    i = tl.arange(0, S)
+    valid = i < n_b
+    v = tl.load(buf_ptr + i, mask=valid, other=float("-inf"))
+    idx = tl.load(idx_ptr + i, mask=valid, other=0)
+    kept = valid & (_key(v) >= t_key)
+    chunk = idx // CHUNK
+    m_k = tl.load(table_m_row + chunk, mask=kept, other=0.0, cache_modifier=".cg")
+    c = tl.arange(0, CHUNKS_PAD)
+    tl.store(table_w_row + c, tl.zeros([CHUNKS_PAD], tl.float32), mask=in_table)
+    w = tl.where(kept & (idx != excluded), tl.exp2((v - m_k) * k), 0.0)
+    z = tl.sum(tl.where(kept, tl.exp2((v - row_max) * k), 0.0), 0)
+    prev_chunk = tl.load(idx_ptr + i - 1, mask=valid & (i > 0), other=-CHUNK) // CHUNK
+    total, _ = tl.associative_scan((w, chunk != prev_chunk), 0, _segment_sum)
+    next_chunk = tl.load(idx_ptr + i + 1, mask=i + 1 < n_b, other=-CHUNK) // CHUNK
+    # Chunks with a kept token get their total (after the zeros: a CTA barrier orders them).
+    has_kept, _ = tl.associative_scan((kept.to(tl.int32), chunk != prev_chunk), 0, _segment_sum)
+    tl.debug_barrier()
+    tl.store(table_w_row + chunk, total, mask=valid & (next_chunk != chunk) & (has_kept > 0))
     return z
 
 
@@ -341,7 +391,7 @@ def _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, S:
 
 
 @triton.jit
-def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, row_sum, k,
+def _row_filter(row_ptr, table_m_row, table_w_row, idx_ptr, buf_ptr, row_max, row_sum, k,
                 top_k, top_p, min_p, excluded, vocab_size, num_chunks,
                 CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
                 PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
@@ -349,7 +399,8 @@ def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, r
 
     row_max / row_sum: the row's max and sum of exp2((l - max) k) from the stream; top_k (int32,
     clamped to [-1, V]), top_p, min_p: the request's filters. A row without a valid logit keeps
-    t = -inf and its sum. Brackets of up to SMALL tokens are sorted at that size.
+    t = -inf and its sum. Brackets of up to SMALL tokens are sorted at that size. idx_ptr /
+    buf_ptr: this row's CAP-entry scratch (indices / values of the current bracket).
     """
     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
     t_key = tl.full([], KEY_NEG_INF, tl.int32)
@@ -374,13 +425,21 @@ def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, r
         p_done = p_on == 0
         hi = top
         mass_above = tl.zeros([], tl.float32)
+        # The buffer holds every token with key >= buf_lo (buf_n of them) when complete: the
+        # table is then rewritten from it instead of from the row.
+        complete = tl.zeros([], tl.int32) > 0
+        buf_lo = top
+        buf_n = tl.zeros([], tl.int32)
         if k_on:
             lo0 = _chunk_bound(m_c, in_table, row_max, k, False, top_k, 0.0, PIVOTS)
             if not p_on:
                 lo0 = tl.maximum(lo0, t_mp)  # below t_mp the exact k-th value does not matter
             lo, hi, n_above, mass_above, n_b = _search(
-                row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k, scale,
+                row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
                 False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
+            complete = (hi == top) & (n_b <= CAP)
+            buf_lo = lo
+            buf_n = n_b
             if n_b <= SMALL:
                 t_k, z_k, t_p, p_here = _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p,
                                                        p_on, row_max, k, SMALL)
@@ -405,8 +464,11 @@ def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, r
                 lo1 = tl.maximum(lo1, hi)  # the answer lies above the top-k bracket
             lo1 = tl.minimum(lo1, top - 1)  # the max always qualifies (p <= 0 keeps it alone)
             lo, hi, n_above, mass_above, n_b = _search(
-                row_ptr, table_m_row, list_ptr, buf_ptr, num_chunks, vocab_size, row_max, k, scale,
+                row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
                 True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
+            complete = (hi == top) & (n_b <= CAP)
+            buf_lo = lo
+            buf_n = n_b
             if n_b <= SMALL:
                 t_p = _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, SMALL)
             elif n_b <= CAP:
@@ -415,13 +477,21 @@ def _row_filter(row_ptr, table_m_row, table_w_row, list_ptr, buf_ptr, row_max, r
                 t_p = lo
         # Every filter keeps the row's max; the clamp only guards against float surprises.
         t_key = tl.minimum(tl.maximum(tl.maximum(t_k, t_p), t_mp), top - 1)
-        z = _rewrite_table(row_ptr, table_m_row, table_w_row, list_ptr, num_chunks, vocab_size, t_key,
-                           row_max, k, excluded, CHUNKS_PAD, CHUNK, TILE)
+        if complete & (t_key >= buf_lo):
+            if buf_n <= SMALL:
+                z = _rewrite_from_buffer(buf_ptr, idx_ptr, buf_n, table_m_row, table_w_row, in_table, t_key,
+                                         row_max, k, excluded, SMALL, CHUNKS_PAD, CHUNK)
+            else:
+                z = _rewrite_from_buffer(buf_ptr, idx_ptr, buf_n, table_m_row, table_w_row, in_table, t_key,
+                                         row_max, k, excluded, CAP, CHUNKS_PAD, CHUNK)
+        else:
+            z = _rewrite_table(row_ptr, m_c, in_table, table_w_row, vocab_size, t_key, row_max, k, excluded,
+                               CHUNKS_PAD, CHUNK, TILE)
     return _unkey(t_key), z
 
 
 def filter_workspace_sizes(rows: int, num_chunks: int, cap: int) -> tuple[int, int]:
     """(float32 entries, int32 entries) of the per-row filter scratch: threshold, Z_t and the
-    CAP-entry buffer in float32; the chunk list in int32."""
-    chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
-    return rows * (2 + cap), rows * chunks_pad
+    CAP-entry bracket buffer's values in float32; its vocabulary indices in int32."""
+    del num_chunks  # the chunk lists live in registers
+    return rows * (2 + cap), rows * cap
