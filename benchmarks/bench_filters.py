@@ -98,7 +98,13 @@ def main():
     ap.add_argument("--scale", default="2", help="comma list of logit standard deviations")
     ap.add_argument("--knobs", action="store_true", help="also sweep FILTER_CAP / FILTER_TILE on the bar setting")
     ap.add_argument("--max-graph-calls", type=int, default=16)
+    ap.add_argument("--settings", default=",".join(FILTER_SETTINGS),
+                    help=f"comma list of filter settings to time, of {list(FILTER_SETTINGS)}")
     args = ap.parse_args()
+    settings = [name.strip() for name in args.settings.split(",")]
+    unknown = [name for name in settings if name not in FILTER_SETTINGS]
+    if unknown:
+        ap.error(f"unknown --settings {unknown}; choose from {list(FILTER_SETTINGS)}")
     os.makedirs(args.out, exist_ok=True)
     info = versions()
     bandwidth = copy_bandwidth()
@@ -143,7 +149,7 @@ def main():
 
                 variants = [("triton", lambda inp: call(inp, "triton"))]
                 variants += [(f"triton {name}", lambda inp, s=s: call(inp, "triton", filter_tensors(batch, s)))
-                             for name, s in FILTER_SETTINGS.items()]
+                             for name, s in FILTER_SETTINGS.items() if name in settings]
                 variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
                 if cuda_built:
                     variants.append(("cuda", lambda inp: call(inp, "cuda")))

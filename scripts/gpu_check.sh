@@ -43,34 +43,34 @@ if [ "${SANITIZE:-0}" = "1" ]; then
   # compute-sanitizer memcheck on a representative subset (slow: small shapes only).
   start=$(date +%s)
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -x \
-    python_tests/test_semantics.py python_tests/test_tree.py -k "cuda and not follow" 2>&1 | tail -20 | tee "$OUT/sanitizer.log"
+    python_tests/test_semantics.py python_tests/test_tree.py -k "cuda and not follow" 2>&1 | tail -20 | tee -a "$OUT/run.log"
   echo "sanitizer: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 if [ "${VERIFY_SHARE:-0}" = "1" ]; then
   start=$(date +%s)
-  timeout 300 python3 benchmarks/bench_verify_share.py --out "$OUT" 2>&1 | grep -v Warning | tail -20 | tee "$OUT/verify_share.log"
+  timeout 300 python3 benchmarks/bench_verify_share.py --out "$OUT" 2>&1 | grep -v Warning | tail -20 | tee -a "$OUT/run.log"
   echo "verify share: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 if [ "${DIAGNOSE:-0}" = "1" ]; then
-  timeout 240 python3 scripts/diagnose_block_agreement.py 2>&1 | tee "$OUT/diagnose.log" | tail -40
+  timeout 240 python3 scripts/diagnose_block_agreement.py 2>&1 | tee -a "$OUT/run.log" | tail -40
 fi
 
 if [ "${FILTER_BENCH:-0}" = "1" ]; then
   start=$(date +%s)
-  timeout 300 python3 benchmarks/bench_filters.py --out "$OUT" 2>&1 | tee "$OUT/bench_filters.log" | tail -30
+  timeout 300 python3 benchmarks/bench_filters.py --out "$OUT" ${FILTER_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -30
   echo "filter bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 if [ -n "${TREE_BENCH:-}" ]; then
   start=$(date +%s)
   timeout 300 python3 benchmarks/bench_tree_rejection_sample.py --nodes "$TREE_BENCH" --batches ${TREE_BATCHES:-1,32} \
-    --out "$OUT" 2>&1 | tee "$OUT/bench_tree.log" | tail -30
+    --out "$OUT" 2>&1 | tee -a "$OUT/run.log" | tail -30
   echo "tree bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 [ "${BENCH:-core}" = "0" ] && exit 0
 start=$(date +%s)
-timeout 480 python3 benchmarks/bench_rejection_sample.py --sweep "$SWEEP" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^B=" 
+timeout 480 python3 benchmarks/bench_rejection_sample.py --sweep "$SWEEP" --out "$OUT" 2>&1 | tee -a "$OUT/run.log" | grep -v "^B=" 
 echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
