@@ -14,6 +14,11 @@ import specdec_kernels
 from specdec_kernels.distributed import rejection_sample_vocab_parallel, tree_rejection_sample_vocab_parallel
 from utils import TRITON_ON_CPU, random_batch
 
+try:
+    from specdec_kernels import triton_vocab_parallel as _tvp
+except ImportError:  # no triton: the torch path only
+    _tvp = None
+
 CASES = [
     # (world size, vocab, draft probabilities, batch)
     (2, 1000, False, 24),
@@ -63,11 +68,12 @@ def _select_path(triton_path: bool) -> None:
 # Edge configurations of the chain op, on the fused path (and the torch path):
 # (vocab, shard bounds per world size or None for the ragged split, draft probabilities,
 #  batch, max drafts, logits dtype, options) -- options: "no_temp", "no_offsets",
-#  "no_seeds", "int32_ids", "no_drafts" (every n_b = 0), "L0" (max_spec_len = 0)
+#  "no_seeds", "int32_ids", "no_drafts" (every n_b = 0), "L0" (max_spec_len = 0), "small_tiles"
+#  (the fused kernels' tiles shrunk: rows split into several segments, one chunk per program)
 CHAIN_EDGE_CASES = [
     (300, {2: [(0, 0), (0, 300)], 3: [(0, 1), (1, 257), (257, 300)]}, True, 12, 3, torch.float32,
      ("no_temp", "int32_ids")),                  # an empty shard / a 1-entry shard
-    (700, None, False, 12, 3, torch.bfloat16, ("no_offsets",)),
+    (700, None, False, 12, 3, torch.bfloat16, ("no_offsets", "small_tiles")),
     (500, None, True, 6, 2, torch.float32, ("no_drafts", "no_seeds")),
     (260, None, False, 6, 0, torch.float32, ("L0",)),
 ]
@@ -98,9 +104,17 @@ def _chain_edge_calls(rank, world):
             _select_path(path == "triton")
             if seeds is None:
                 torch.manual_seed(5)  # rank 0 draws the seeds: the same on both paths
-            per_path[path] = rejection_sample_vocab_parallel(
-                logits[:, lo:hi].contiguous(), ids, cu, None if p is None else p[:, lo:hi].contiguous(), temp, seeds,
-                offs, k, vocab_start=lo, vocab_size=vocab)
+            small = _tvp is not None and "small_tiles" in CHAIN_EDGE_CASES[i][-1]
+            saved = (_tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM) if small else None
+            if small:
+                _tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM = 32, 1
+            try:
+                per_path[path] = rejection_sample_vocab_parallel(
+                    logits[:, lo:hi].contiguous(), ids, cu, None if p is None else p[:, lo:hi].contiguous(), temp,
+                    seeds, offs, k, vocab_start=lo, vocab_size=vocab)
+            finally:
+                if small:
+                    _tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM = saved
         results.append(per_path)
     return results
 

@@ -400,8 +400,9 @@ def _chain_fused(logits, draft_ids, cu, draft_probs, temperature, seeds, offsets
     """The chain op's Triton path: five launches around the four collectives
     (``triton_vocab_parallel``), the same tokens as the torch path below."""
     rank = dist.get_rank(group)
-    stats = _tvp.chain_local_stats(logits, draft_probs, draft_ids, cu, temperature, L, lo, vocab_size)
-    gathered = _all_gather(stats, group)  # collective 1: [W, B (L+1), 5]
+    S = _tvp.row_segments(logits.shape[0], vocab_size, dist.get_world_size(group))
+    stats = _tvp.chain_local_stats(logits, draft_probs, draft_ids, cu, temperature, L, lo, vocab_size, S)
+    gathered = _all_gather(stats, group)  # collective 1: [W, B (L+1), 3 S + 2]
     c_first, n_chunks = _local_chunks(lo, hi)
     totals, edges, state_i, state_f, out, num_acc = _tvp.chain_final_totals(
         logits, draft_probs, draft_ids, cu, temperature, seeds, offsets, gathered, L, lo, vocab_size, c_first,

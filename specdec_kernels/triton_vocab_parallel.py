@@ -33,6 +33,7 @@ CHUNK = SAMPLE_CHUNK
 BLOCK = 1024               # columns per step of the row-statistics loop
 CHUNKS_PER_PROGRAM = 8     # chunks of 256 per program of the totals kernel (amortizes the decision)
 FINISH_BLOCK = 128
+TARGET_PROGRAMS = 512      # statistics programs to aim for (row segments on small batches)
 _ACCEPT = tl.constexpr(0)  # philox.STREAM_ACCEPT
 _SAMPLE = tl.constexpr(1)  # philox.STREAM_SAMPLE
 _TINY = tl.constexpr(1.1754943508222875e-38)
@@ -81,12 +82,16 @@ def _inv_temperature(temperature_ptr, b, HAS_TEMP: tl.constexpr):
 
 @triton.jit
 def _chain_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, draft_ids_ptr, cu_ptr,
-                              temperature_ptr, stats_ptr, N, R, L, lo, n_cols, vocab_size,
+                              temperature_ptr, stats_ptr, N, R, L, S, seg, lo, n_cols, vocab_size,
                               HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (b, t), t = 0..L: row t of request b on this shard -> stats[b, t] = (max, sum of
-    exp((l - max) / T), first argmax as a global id (vocab_size: none), l(x_t), p(x_t)), the
-    last two -inf unless draft x_t (t < L) lies in this shard."""
+    """Program (i, s), i = b (L+1) + t: segment s (columns [s seg, (s+1) seg)) of row t of
+    request b on this shard -> stats[i, 3s : 3s+3] = (max, sum of exp((l - max) / T), first
+    argmax as a global id, vocab_size: none). Segments keep small batches from leaving most
+    SMs idle on long rows; the consumers fold them in like more ranks. Program s = 0 also
+    writes stats[i, 3S : 3S+2] = (l(x_t), p(x_t)), -inf unless draft x_t (t < L) lies in
+    this shard."""
     i = tl.program_id(0)
+    sg = tl.program_id(1)
     b = i // (L + 1)
     t = i % (L + 1)
     cu_lo = tl.load(cu_ptr + b).to(tl.int64)
@@ -95,39 +100,46 @@ def _chain_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, d
     row_ok = (t <= n) & (row >= 0) & (row < R)
     inv_t, _ = _inv_temperature(temperature_ptr, b, HAS_TEMP)
     base = logits_ptr + tl.where(row_ok, row, 0) * l_stride
-    m, total, arg = _shard_row_stats(base, tl.where(row_ok, n_cols, 0), inv_t, BLOCK)
-    arg = tl.where(m > float("-inf"), arg + lo, vocab_size)
-    d = cu_lo + t
-    d_ok = (t < n) & (d >= 0) & (d < N)
-    x = tl.load(draft_ids_ptr + tl.where(d_ok, d, 0), mask=d_ok, other=-1).to(tl.int64)
-    mine = d_ok & (x >= lo) & (x < lo + n_cols)
-    col = tl.where(mine, x - lo, 0)
-    l_x = tl.where(mine & row_ok, _sanitize(tl.load(base + col, mask=mine & row_ok, other=0.0).to(tl.float32)),
-                   float("-inf"))
-    if HAS_PROBS:
-        p_x = tl.load(draft_probs_ptr + tl.where(d_ok, d, 0) * p_stride + col, mask=mine, other=0.0).to(tl.float32)
-        p_x = tl.where(mine, p_x, float("-inf"))
-    else:
-        p_x = tl.full([], float("-inf"), tl.float32)
-    out = stats_ptr + i.to(tl.int64) * 5
-    tl.store(out, m)
-    tl.store(out + 1, total)
-    tl.store(out + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
-    tl.store(out + 3, l_x)
-    tl.store(out + 4, p_x)
+    start = sg * seg
+    count = tl.where(row_ok, tl.minimum(tl.maximum(n_cols - start, 0), seg), 0)
+    m, total, arg = _shard_row_stats(base + start, count, inv_t, BLOCK)
+    arg = tl.where(m > float("-inf"), arg + lo + start, vocab_size)
+    out = stats_ptr + i.to(tl.int64) * (3 * S + 2)
+    tl.store(out + 3 * sg, m)
+    tl.store(out + 3 * sg + 1, total)
+    tl.store(out + 3 * sg + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
+    if sg == 0:
+        d = cu_lo + t
+        d_ok = (t < n) & (d >= 0) & (d < N)
+        x = tl.load(draft_ids_ptr + tl.where(d_ok, d, 0), mask=d_ok, other=-1).to(tl.int64)
+        mine = d_ok & (x >= lo) & (x < lo + n_cols)
+        col = tl.where(mine, x - lo, 0)
+        l_x = tl.where(mine & row_ok, _sanitize(tl.load(base + col, mask=mine & row_ok, other=0.0).to(tl.float32)),
+                       float("-inf"))
+        if HAS_PROBS:
+            p_x = tl.load(draft_probs_ptr + tl.where(d_ok, d, 0) * p_stride + col, mask=mine,
+                          other=0.0).to(tl.float32)
+            p_x = tl.where(mine, p_x, float("-inf"))
+        else:
+            p_x = tl.full([], float("-inf"), tl.float32)
+        tl.store(out + 3 * S, l_x)
+        tl.store(out + 3 * S + 1, p_x)
 
 
 @triton.jit
-def _chain_decision(gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr, b, B, N, R, L, W, vocab_size,
-                    inv_t, greedy, HAS_PROBS: tl.constexpr, W_PAD: tl.constexpr, L1_PAD: tl.constexpr):
+def _chain_decision(gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr, b, B, N, R, L, W, S, vocab_size,
+                    inv_t, greedy, HAS_PROBS: tl.constexpr, WS_PAD: tl.constexpr, W_PAD: tl.constexpr,
+                    L1_PAD: tl.constexpr):
     """Request b's accept tests on the gathered statistics, as every rank runs them: the global
-    row statistics, then accept x_t iff u_t p(x_t) < q(x_t) (greedy: x_t = argmax) for the
-    leading t. Returns (t-lane vector, drafts x [L1_PAD], t_star, x_star (-1: none), the stop
-    row (-1: none), its max, sum and argmax, the draft-probability row at t_star)."""
+    row statistics from the W x S segment partials, then accept x_t iff u_t p(x_t) < q(x_t)
+    (greedy: x_t = argmax) for the leading t. Returns (t-lane vector, drafts x [L1_PAD],
+    t_star, x_star (-1: none), the stop row (-1: none), its max, sum and argmax, the
+    draft-probability row at t_star, seed, offset)."""
     t = tl.arange(0, L1_PAD)
-    w = tl.arange(0, W_PAD)
-    ok = (w[:, None] < W) & (t[None, :] <= L)
-    ptr = gathered_ptr + ((w[:, None].to(tl.int64) * B + b) * (L + 1) + t[None, :]) * 5
+    F = 3 * S + 2  # floats per row and rank
+    ws = tl.arange(0, WS_PAD)  # (rank, segment) pairs in vocabulary order
+    ok = (ws[:, None] < W * S) & (t[None, :] <= L)
+    ptr = gathered_ptr + (((ws // S)[:, None].to(tl.int64) * B + b) * (L + 1) + t[None, :]) * F + 3 * (ws % S)[:, None]
     g_max = tl.load(ptr, mask=ok, other=float("-inf"))
     g_sum = tl.load(ptr + 1, mask=ok, other=0.0)
     g_am = tl.load(ptr + 2, mask=ok, other=0.0)
@@ -137,9 +149,12 @@ def _chain_decision(gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr,
     row_sum = tl.sum(tl.where(live, g_sum * tl.exp((g_max - shift[None, :]) * inv_t), 0.0), 0)
     argmax = tl.min(tl.where(live & (g_max == row_max[None, :]), g_am, vocab_size * 1.0), 0).to(tl.int64)
     argmax = tl.where(row_max > float("-inf"), argmax, -1)
-    lx = tl.max(tl.load(ptr + 3, mask=ok, other=float("-inf")), 0)
+    w = tl.arange(0, W_PAD)
+    okw = (w[:, None] < W) & (t[None, :] <= L)
+    ptr_x = gathered_ptr + ((w[:, None].to(tl.int64) * B + b) * (L + 1) + t[None, :]) * F + 3 * S
+    lx = tl.max(tl.load(ptr_x, mask=okw, other=float("-inf")), 0)
     if HAS_PROBS:
-        px = tl.max(tl.load(ptr + 4, mask=ok, other=float("-inf")), 0)
+        px = tl.max(tl.load(ptr_x + 1, mask=okw, other=float("-inf")), 0)
     else:
         px = tl.full([L1_PAD], 1.0, tl.float32)
 
@@ -200,9 +215,10 @@ def _clean_sum(w, axis: tl.constexpr):
 def _chain_final_totals_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, draft_ids_ptr, cu_ptr,
                                temperature_ptr, seeds_ptr, offsets_ptr, gathered_ptr, totals_ptr, edges_ptr,
                                state_i_ptr, state_f_ptr, out_ptr, num_acc_ptr,
-                               B, N, R, L, W, lo, n_cols, vocab_size, c_first, n_chunks,
-                               HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, W_PAD: tl.constexpr,
-                               L1_PAD: tl.constexpr, CHUNKS_PER_PROGRAM: tl.constexpr, CHUNK: tl.constexpr):
+                               B, N, R, L, W, S, lo, n_cols, vocab_size, c_first, n_chunks,
+                               HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, WS_PAD: tl.constexpr,
+                               W_PAD: tl.constexpr, L1_PAD: tl.constexpr, CHUNKS_PER_PROGRAM: tl.constexpr,
+                               CHUNK: tl.constexpr):
     """Program (b, j): request b's decision (every program), then this shard's part of global
     chunks c_first + j*CHUNKS_PER_PROGRAM + (0..) of its stop row: totals[b, c] = sum of w
     (and, with draft probabilities, totals[B + b, c] = sum of q). Program j = 0 also writes
@@ -214,8 +230,8 @@ def _chain_final_totals_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, 
     j = tl.program_id(1)
     inv_t, greedy = _inv_temperature(temperature_ptr, b, HAS_TEMP)
     t, x, t_star, x_star, row, m, s, am, prob_row, seed, offset = _chain_decision(
-        gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr, b, B, N, R, L, W, vocab_size, inv_t, greedy,
-        HAS_PROBS, W_PAD, L1_PAD)
+        gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr, b, B, N, R, L, W, S, vocab_size, inv_t, greedy,
+        HAS_PROBS, WS_PAD, W_PAD, L1_PAD)
     x_star_ok = (x_star >= 0) & (x_star < vocab_size)
     if HAS_PROBS:
         x_star_local = tl.where(x_star_ok, 0, -1)  # only "rejected or not" matters
@@ -394,17 +410,26 @@ def _pad(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def chain_local_stats(logits, draft_probs, draft_ids, cu, temperature, L: int, lo: int, vocab_size: int):
-    """[B * (L+1), 5] float32: collective 1's payload (``_chain_local_stats_kernel``)."""
+def row_segments(rows: int, vocab_size: int, world: int) -> int:
+    """Segments per shard row of the statistics kernel: enough programs to fill a GPU
+    (~TARGET_PROGRAMS) on small batches, segments of at least 4 BLOCKs. A function of values
+    every rank shares (collective 1's payload has the same shape on every rank)."""
+    longest = triton.cdiv(vocab_size, max(world, 1))  # about the largest shard
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, max(rows, 1)), triton.cdiv(longest, 4 * BLOCK)))
+
+
+def chain_local_stats(logits, draft_probs, draft_ids, cu, temperature, L: int, lo: int, vocab_size: int, S: int):
+    """[B * (L+1), 3 S + 2] float32: collective 1's payload (``_chain_local_stats_kernel``)."""
     R, n_cols = logits.shape
     B = cu.shape[0] - 1
     N = draft_ids.shape[0]
-    stats = torch.empty(B * (L + 1), 5, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(B * (L + 1), 3 * S + 2, dtype=torch.float32, device=logits.device)
     has_probs = draft_probs is not None and N > 0
-    _chain_local_stats_kernel[(B * (L + 1),)](
+    seg = triton.cdiv(triton.cdiv(max(n_cols, 1), S), BLOCK) * BLOCK  # whole BLOCKs per segment
+    _chain_local_stats_kernel[(B * (L + 1), S)](
         logits, logits.stride(0), draft_probs if has_probs else logits, draft_probs.stride(0) if has_probs else 0,
-        draft_ids, cu, logits if temperature is None else temperature, stats, N, R, L, lo, n_cols, vocab_size,
-        HAS_PROBS=has_probs, HAS_TEMP=temperature is not None, BLOCK=BLOCK, num_warps=4)
+        draft_ids, cu, logits if temperature is None else temperature, stats, N, R, L, S, seg, lo, n_cols,
+        vocab_size, HAS_PROBS=has_probs, HAS_TEMP=temperature is not None, BLOCK=BLOCK, num_warps=4)
     return stats
 
 
@@ -416,6 +441,7 @@ def chain_final_totals(logits, draft_probs, draft_ids, cu, temperature, seeds, o
     B = cu.shape[0] - 1
     N = draft_ids.shape[0]
     W = gathered.shape[0]
+    S = (gathered.shape[-1] - 2) // 3
     has_probs = draft_probs is not None and N > 0
     rows = 2 * B if has_probs else B
     dev = logits.device
@@ -429,8 +455,8 @@ def chain_final_totals(logits, draft_probs, draft_ids, cu, temperature, seeds, o
     _chain_final_totals_kernel[grid](
         logits, logits.stride(0), draft_probs if has_probs else logits, draft_probs.stride(0) if has_probs else 0,
         draft_ids, cu, logits if temperature is None else temperature, seeds, offsets, gathered, totals, edges,
-        state_i, state_f, out, num_acc, B, N, R, L, W, lo, n_cols, vocab_size, c_first, n_chunks,
-        HAS_PROBS=has_probs, HAS_TEMP=temperature is not None, W_PAD=_pad(W), L1_PAD=_pad(L + 1),
+        state_i, state_f, out, num_acc, B, N, R, L, W, S, lo, n_cols, vocab_size, c_first, n_chunks,
+        HAS_PROBS=has_probs, HAS_TEMP=temperature is not None, WS_PAD=_pad(W * S), W_PAD=_pad(W), L1_PAD=_pad(L + 1),
         CHUNKS_PER_PROGRAM=CHUNKS_PER_PROGRAM, CHUNK=CHUNK, num_warps=4)
     return totals, edges, state_i, state_f, out, num_acc
 
