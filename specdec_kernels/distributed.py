@@ -52,6 +52,7 @@ try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small t
     import triton.language as tl
 
     from . import triton_vocab_parallel as _tvp
+    from .triton_vocab_parallel import _shard_row_stats as _tl_shard_row_stats
     from .triton_rejection_sample import _philox_words as _tl_philox_words
     from .triton_rejection_sample import _sanitize as _tl_sanitize
 except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is used instead
@@ -60,6 +61,17 @@ except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is use
 __all__ = ["rejection_sample_vocab_parallel", "tree_rejection_sample_vocab_parallel"]
 
 _NEG_INF = float("-inf")
+# For python_tests/triton_sm90_compile.py: constexpr values and pointer element types of the
+# tree path's kernels.
+STREAM = STREAM_SAMPLE
+BLOCK = 1024
+CHUNK = SAMPLE_CHUNK
+POINTER_TYPES = {
+    "seed_ptr": "*i64", "offset_ptr": "*i64", "node_ptr": "*i64", "lane_ptr": "*i64", "w0_ptr": "*i64",
+    "w1_ptr": "*i64", "rows_ptr": "*i64", "inv_t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+    "arg_ptr": "*i64", "probs_ptr": "*fp32", "a_ptr": "*fp32", "need_ptr": "*i32", "out_ptr": "*fp32",
+    "prow_ptr": "*i64", "excl_ptr": "*u8", "use_res_ptr": "*i32", "tot_w_ptr": "*fp32", "tot_q_ptr": "*fp32",
+}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
@@ -84,22 +96,7 @@ if triton is not None:
         row = tl.load(rows_ptr + i)
         inv_t = tl.load(inv_t_ptr + i)
         base = logits_ptr + tl.maximum(row, 0).to(tl.int64) * stride
-        n = tl.where(row >= 0, n_cols, 0)
-        m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
-        s_vec = tl.zeros([BLOCK], tl.float32)
-        a_vec = tl.full([BLOCK], 2147483647, tl.int32)
-        for start in range(0, n, BLOCK):  # per lane: online max / sum, first index of the max
-            cols = start + tl.arange(0, BLOCK)
-            x = _tl_sanitize(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
-            m_new = tl.maximum(m_vec, x)
-            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            s_vec = s_vec * tl.exp((m_vec - shift) * inv_t) + tl.exp((x - shift) * inv_t)
-            a_vec = tl.where(x > m_vec, cols, a_vec)
-            m_vec = m_new
-        m = tl.max(m_vec, 0)
-        shift = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.sum(s_vec * tl.exp((m_vec - shift) * inv_t), 0)
-        arg = tl.min(tl.where((m_vec == m) & (m_vec > float("-inf")), a_vec, 2147483647), 0)
+        m, total, arg = _tl_shard_row_stats(base, tl.where(row >= 0, n_cols, 0), inv_t, BLOCK)
         tl.store(max_ptr + i, m)
         tl.store(sum_ptr + i, total)
         tl.store(arg_ptr + i, tl.where(arg < 2147483647, arg, n_cols).to(tl.int64))
