@@ -23,11 +23,22 @@ first (the residual mass after j rejected siblings depends on the mass after j -
 The random streams are keyed by the global vocabulary index (chunk c of the global row), so
 every rank draws exactly the noise the single-device op draws, and the outputs equal the
 single-device op's on the gathered logits for the same seeds (except at float near-ties);
-all ranks return the same outputs. Local work: on CUDA tensors a few Triton launches (row
-statistics in one read of the shard, residual masses, per-chunk sums of the final rows'
-weights, the Philox draws) plus small vectorized PyTorch; on CPU tensors (gloo) vectorized
-PyTorch. NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths
-(``max_spec_len`` / ``max_depth``, ``max_children``) and the seeds are given.
+all ranks return the same outputs.
+
+Local work:
+
+- chain op, CUDA tensors: five fused Triton launches (``triton_vocab_parallel``), one before
+  each collective and one after the last -- row statistics and the drafts' values in one
+  read of the shard | accept tests, stop row and per-chunk sums of its weights | edge merge
+  and chunk race | in-chunk inverse CDF | the final token -- and no other kernel (output
+  buffers aside). $SPECDEC_VP_TRITON=1 forces this path on CPU tensors (in Triton's
+  interpreter, TRITON_INTERPRET=1: the tests), =0 selects the torch path everywhere;
+- tree op, CUDA tensors: a few Triton launches (row statistics, residual masses, per-chunk
+  sums of the final rows' weights, the Philox draws) plus small vectorized PyTorch;
+- CPU tensors (gloo), or float64: vectorized PyTorch, the same arithmetic.
+
+NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths (``max_spec_len``
+/ ``max_depth``, ``max_children``) and the seeds are given; CUDA-graph capturable.
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@
 one or two launches each (B requests, L = max_spec_len, W ranks, B' = 2B rows with draft
 probabilities -- the residual and q, sampled with the same noise -- else B):
 
-    _chain_local_stats_kernel     (B*(L+1) programs)  row max / sum / argmax of the shard, l(x), p(x)
-    -- all_gather 1: [W, B, L+1, 5] --
+    _chain_local_stats_kernel     (B(L+1) x S)        row max / sum / argmax of S segments of the
+                                                      shard's rows, the drafts' l(x), p(x)
+    -- all_gather 1: [W, B(L+1), 3S+2] --
     _chain_final_totals_kernel    (B x chunk groups)  accept tests, stop row, per-chunk sums of
                                                       its weights, the edge chunks' partial sums
     -- all_gather 2: [W, B', 5] --
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .philox import SAMPLE_CHUNK
-from .triton_rejection_sample import _open_uniform, _philox_words, _sanitize, _uniform
+from .triton_rejection_sample import _philox_words, _sanitize, _uniform
 
 CHUNK = SAMPLE_CHUNK
 BLOCK = 1024               # columns per step of the row-statistics loop
