@@ -349,7 +349,8 @@ def main():
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         print(f"# {world} x {info['card']}, torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, "
-              f"commit {info['commit']}; vocab-parallel path {info['vp_path']}; backend {dist.get_backend()}; V={vocab} split {shard_bounds(vocab, world)}; "
+              f"commit {info['commit']}; vocab-parallel path {info['vp_path']}; backend {dist.get_backend()}; "
+              f"V={vocab} split {shard_bounds(vocab, world)}; "
               f"single-device op backend {single}; tree parents {args.tree_parents}", flush=True)
 
     rows = []
@@ -410,7 +411,8 @@ def main():
 def markdown_table(rows, info, world) -> str:
     graph = any("vp_graph_us" in r for r in rows)
     head = (f"{world} x {info['card']}, torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, "
-            f"commit {info['commit']}; vocab-parallel path {info['vp_path']}; times in us, eager (median per rank, max over ranks)\n\n")
+            f"commit {info['commit']}; vocab-parallel path {info['vp_path']}; "
+            f"times in us, eager (median per rank, max over ranks)\n\n")
     cols = ["op", "B", "nodes/req", "draft", "vocab-parallel", "all-gather + op", "all-gather alone", "speedup"]
     if graph:
         cols += ["vp graph", "gather graph"]
