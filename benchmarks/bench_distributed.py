@@ -30,6 +30,9 @@ row) and <out>/bench_distributed.md, and prints the table.
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out bench_out
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out bench_out --graph
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --device cpu --out /tmp/smoke   # gloo smoke test
+    SPECDEC_VP_TRITON=0 torchrun ...   # the vocab-parallel op's torch path (before the fused kernels)
+    TRITON_INTERPRET=1 SPECDEC_VP_TRITON=1 torchrun --nproc-per-node 2 benchmarks/bench_distributed.py \
+        --device cpu --ops chain --batches 2 --vocab 600 --warmup 0 --iters 1 --out /tmp/smoke   # fused path, CPU
 """
 from __future__ import annotations
 
@@ -129,8 +132,11 @@ def versions(device) -> dict:
     if cuda:
         v = torch.cuda.nccl.version()
         nccl = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+    # the vocab-parallel path: auto = fused Triton kernels on CUDA tensors; 0 = the torch path
+    # everywhere; 1 = Triton forced on CPU tensors too (with TRITON_INTERPRET=1)
+    vp_path = os.environ.get("SPECDEC_VP_TRITON", "auto")
     return dict(card=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                cuda=torch.version.cuda if cuda else "-", nccl=nccl, commit=commit)
+                cuda=torch.version.cuda if cuda else "-", nccl=nccl, commit=commit, vp_path=vp_path)
 
 
 def concrete_backend(backend, device, op) -> str:
@@ -343,7 +349,8 @@ def main():
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         print(f"# {world} x {info['card']}, torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, "
-              f"commit {info['commit']}; backend {dist.get_backend()}; V={vocab} split {shard_bounds(vocab, world)}; "
+              f"commit {info['commit']}; vocab-parallel path {info['vp_path']}; backend {dist.get_backend()}; "
+              f"V={vocab} split {shard_bounds(vocab, world)}; "
               f"single-device op backend {single}; tree parents {args.tree_parents}", flush=True)
 
     rows = []
@@ -404,7 +411,8 @@ def main():
 def markdown_table(rows, info, world) -> str:
     graph = any("vp_graph_us" in r for r in rows)
     head = (f"{world} x {info['card']}, torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, "
-            f"commit {info['commit']}; times in us, eager (median per rank, max over ranks)\n\n")
+            f"commit {info['commit']}; vocab-parallel path {info['vp_path']}; "
+            f"times in us, eager (median per rank, max over ranks)\n\n")
     cols = ["op", "B", "nodes/req", "draft", "vocab-parallel", "all-gather + op", "all-gather alone", "speedup"]
     if graph:
         cols += ["vp graph", "gather graph"]

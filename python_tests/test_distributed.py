@@ -14,6 +14,11 @@ import specdec_kernels
 from specdec_kernels.distributed import rejection_sample_vocab_parallel, tree_rejection_sample_vocab_parallel
 from utils import TRITON_ON_CPU, random_batch
 
+try:
+    from specdec_kernels import triton_vocab_parallel as _tvp
+except ImportError:  # no triton: the torch path only
+    _tvp = None
+
 CASES = [
     # (world size, vocab, draft probabilities, batch)
     (2, 1000, False, 24),
@@ -45,30 +50,97 @@ def _chain_call(rank, world, case_index):
         temp, seeds, offs, k, vocab_start=lo, vocab_size=vocab)
 
 
-# Without a GPU, conftest runs Triton in its interpreter: these cases take the Triton paths of
-# the vocab-parallel ops (fused Philox, row statistics, residual masses; what CUDA tensors
-# run), the others the torch paths (what CPU tensors run). The interpreter is slow.
-TRITON_CHAIN_CASES = {2, 3}
+# Without a GPU, conftest runs Triton in its interpreter: every chain case runs twice, on the
+# fused Triton path that CUDA tensors take (forced on these CPU tensors with
+# SPECDEC_VP_TRITON=1) and on the torch path (SPECDEC_VP_TRITON=0); these tree cases take the
+# Triton paths of the tree op (fused Philox, row statistics, residual masses), the others its
+# torch paths. The interpreter is slow: small shapes only.
 TRITON_TREE_CASES = {(2, 0), (2, 2), (2, 4), (3, 1), (3, 3)}
+CHAIN_PATHS = ("triton", "torch") if TRITON_ON_CPU else ("torch",)
 
 
 def _select_path(triton_path: bool) -> None:
     from specdec_kernels import distributed
     distributed._INTERPRET = triton_path and TRITON_ON_CPU
+    os.environ["SPECDEC_VP_TRITON"] = "1" if triton_path and TRITON_ON_CPU else "0"
+
+
+# Edge configurations of the chain op, on the fused path (and the torch path):
+# (vocab, shard bounds per world size or None for the ragged split, draft probabilities,
+#  batch, max drafts, logits dtype, options) -- options: "no_temp", "no_offsets",
+#  "no_seeds", "int32_ids", "no_drafts" (every n_b = 0), "L0" (max_spec_len = 0), "small_tiles"
+#  (the fused kernels' tiles shrunk: rows split into several segments, one chunk per program)
+CHAIN_EDGE_CASES = [
+    (300, {2: [(0, 0), (0, 300)], 3: [(0, 1), (1, 257), (257, 300)]}, True, 12, 3, torch.float32,
+     ("no_temp", "int32_ids")),                  # an empty shard / a 1-entry shard
+    (700, None, False, 12, 3, torch.bfloat16, ("no_offsets", "small_tiles")),
+    (500, None, True, 6, 2, torch.float32, ("no_drafts", "no_seeds")),
+    (260, None, False, 6, 0, torch.float32, ("L0",)),
+]
+
+
+def _chain_edge_batch(i):
+    vocab, _, probs, batch, k, dtype, opts = CHAIN_EDGE_CASES[i]
+    logits, ids, cu, p, temp, seeds, offs, _ = random_batch(batch, max(k, 1), vocab, draft_probs=probs, seed=300 + i,
+                                                            dtype=dtype)
+    if "no_drafts" in opts or "L0" in opts:
+        rows = torch.arange(cu.shape[0] - 1) + cu[1:].long()  # each request's bonus row
+        logits, ids = logits[rows], ids[:0]
+        p = None if p is None else p[:0]
+        cu = torch.zeros_like(cu)
+    if "int32_ids" in opts:
+        ids = ids.to(torch.int32)
+    return (logits, ids, cu, p, None if "no_temp" in opts else temp, None if "no_seeds" in opts else seeds,
+            None if "no_offsets" in opts else offs, k)
+
+
+def _chain_edge_calls(rank, world):
+    results = []
+    for i, (vocab, bounds, *_rest) in enumerate(CHAIN_EDGE_CASES):
+        logits, ids, cu, p, temp, seeds, offs, k = _chain_edge_batch(i)
+        lo, hi = ((bounds or {}).get(world) or _shard_bounds(vocab, world))[rank]
+        per_path = {}
+        for path in CHAIN_PATHS:
+            _select_path(path == "triton")
+            if seeds is None:
+                torch.manual_seed(5)  # rank 0 draws the seeds: the same on both paths
+            small = _tvp is not None and "small_tiles" in CHAIN_EDGE_CASES[i][-1]
+            saved = (_tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM) if small else None
+            if small:
+                _tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM = 32, 1
+            try:
+                per_path[path] = rejection_sample_vocab_parallel(
+                    logits[:, lo:hi].contiguous(), ids, cu, None if p is None else p[:, lo:hi].contiguous(), temp,
+                    seeds, offs, k, vocab_start=lo, vocab_size=vocab)
+            finally:
+                if small:
+                    _tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM = saved
+        results.append(per_path)
+    return results
 
 
 def _worker(rank, world, init_file, out_dir):
     """Every chain and tree case of this world size in one process group (spawning dominates)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from specdec_kernels import distributed
+    fused = distributed._chain_fused
+    calls = []
+    distributed._chain_fused = lambda *a, **k: calls.append(1) or fused(*a, **k)  # count the fused calls
     chain = {}
     for i, case in enumerate(CASES):
         if case[0] == world:
-            _select_path(i in TRITON_CHAIN_CASES)
-            chain[i] = _chain_call(rank, world, i)
+            for path in CHAIN_PATHS:
+                _select_path(path == "triton")
+                chain[i, path] = _chain_call(rank, world, i)
+    edges = _chain_edge_calls(rank, world)
+    # every chain call of the Triton path took the fused kernels
+    n_chain = sum(case[0] == world for case in CASES) + len(CHAIN_EDGE_CASES)
+    assert len(calls) == (n_chain if "triton" in CHAIN_PATHS else 0), (len(calls), n_chain)
+    distributed._chain_fused = fused
     tree = _tree_calls(rank, world)
     residual = _residual_call(rank, world)
-    torch.save((chain, tree, residual), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save((chain, tree, residual, edges), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -86,16 +158,39 @@ def _results(world):
     return _SPAWNED[world]
 
 
+@pytest.mark.parametrize("path", CHAIN_PATHS)
 @pytest.mark.parametrize("case_index", range(len(CASES)))
-def test_vocab_parallel_equals_single_device(case_index):
+def test_vocab_parallel_equals_single_device(case_index, path):
     world, vocab, probs, batch = CASES[case_index]
-    results = [chain[case_index] for chain, _, _ in _results(world)]
+    results = [chain[case_index, path] for chain, *_ in _results(world)]
     for out, num in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(num, results[0][1]), "ranks disagree"
     args = random_batch(batch, 4, vocab, draft_probs=probs, seed=100 + case_index)
     ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
     same = (results[0][0] == ref_out).all(1) & (results[0][1] == ref_num)
     assert same.float().mean() >= 0.999, f"{int((~same).sum())} of {batch} requests differ from the single-device op"
+    if path == "triton":  # the fused kernels do the torch path's arithmetic: the same tokens
+        other = _results(world)[0][0][case_index, "torch"]
+        assert torch.equal(results[0][0], other[0]) and torch.equal(results[0][1], other[1])
+
+
+@pytest.mark.parametrize("world", sorted({c[0] for c in CASES}))
+@pytest.mark.parametrize("edge_index", range(len(CHAIN_EDGE_CASES)))
+def test_vocab_parallel_chain_edge_cases(world, edge_index):
+    """Empty and 1-entry shards, no temperatures / offsets / seeds / drafts, int32 ids, bf16
+    logits, max_spec_len 0: both paths, every rank, the single-device op's tokens."""
+    per_rank = [edges[edge_index] for *_, edges in _results(world)]
+    logits, ids, cu, p, temp, seeds, offs, k = _chain_edge_batch(edge_index)
+    if seeds is None:
+        torch.manual_seed(5)
+        seeds = torch.randint(-(2**63), 2**63 - 1, (cu.shape[0] - 1,), dtype=torch.int64)
+    ref_out, ref_num = specdec_kernels.rejection_sample(logits, ids, cu, p, temp, seeds, offs, k, backend="reference")
+    for path in CHAIN_PATHS:
+        out, num = per_rank[0][path]
+        for other in per_rank[1:]:
+            assert torch.equal(other[path][0], out) and torch.equal(other[path][1], num), f"{path}: ranks disagree"
+        same = (out == ref_out).all(1) & (num == ref_num)
+        assert same.float().mean() >= 0.999, f"{path}: {int((~same).sum())} requests differ from the single-device op"
 
 
 # --- trees -----------------------------------------------------------------------------------
@@ -194,7 +289,7 @@ def _tree_calls(rank, world):
 
 @pytest.mark.parametrize("world", sorted(TREE_CASES))
 def test_tree_vocab_parallel_equals_single_device(world):
-    results = [tree for _, tree, _ in _results(world)]
+    results = [tree for _, tree, *_ in _results(world)]
     for other in results[1:]:
         for got, ref in zip(other, results[0]):
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), "ranks disagree"
@@ -236,7 +331,7 @@ def _residual_call(rank, world):
 
 @pytest.mark.parametrize("world", sorted(TREE_CASES))
 def test_tree_vocab_parallel_residual_after_several_rejections(world):
-    results = [residual for _, _, residual in _results(world)]
+    results = [residual for _, _, residual, _ in _results(world)]
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other, results[0])), "ranks disagree"
     ref = specdec_kernels.tree_rejection_sample(*_residual_batch())

@@ -8,7 +8,7 @@ over its constexpr variants. ``test_triton_compile.py`` runs it in a subprocess,
 tests' process has TRITON_INTERPRET=1 set, under which ``triton.jit`` returns interpreted
 functions.
 
-    python python_tests/triton_sm90_compile.py chain|tree
+    python python_tests/triton_sm90_compile.py chain|tree|vocab_parallel|vocab_parallel_tree
 """
 from __future__ import annotations
 
@@ -18,14 +18,23 @@ import os
 import sys
 
 KERNELS = {
-    "chain": ("specdec_kernels.triton_rejection_sample", "_rejection_sample_kernel"),
-    "tree": ("specdec_kernels.triton_tree_rejection_sample", "_tree_rejection_sample_kernel"),
+    "chain": ("specdec_kernels.triton_rejection_sample", ["_rejection_sample_kernel"]),
+    "tree": ("specdec_kernels.triton_tree_rejection_sample", ["_tree_rejection_sample_kernel"]),
+    "vocab_parallel": ("specdec_kernels.triton_vocab_parallel",
+                       ["_chain_local_stats_kernel", "_chain_final_totals_kernel", "_chunk_race_kernel",
+                        "_chunk_pick_kernel", "_chain_finish_kernel"]),
+    "vocab_parallel_tree": ("specdec_kernels.distributed",
+                            ["_philox01_kernel", "_row_stats_kernel", "_residual_mass_kernel",
+                             "_final_totals_kernel"]),
 }
 LOGITS_TYPES = ("*bf16", "*fp16", "*fp32")
 
 
-def pointer_type(name: str, logits_type: str, probs_type: str) -> str:
-    """The element type of a ``*_ptr`` argument, by its name (the launchers' conventions)."""
+def pointer_type(module, name: str, logits_type: str, probs_type: str) -> str:
+    """The element type of a ``*_ptr`` argument: the module's ``POINTER_TYPES``, else by its
+    name (the launchers' conventions)."""
+    if name in getattr(module, "POINTER_TYPES", {}):
+        return module.POINTER_TYPES[name]
     if name.startswith("logits"):
         return logits_type
     if name.startswith("draft_probs"):
@@ -77,37 +86,39 @@ def compile_kernel(which: str) -> int:
     from triton.compiler import ASTSource
 
     module = importlib.import_module(KERNELS[which][0])
-    fn = getattr(module, KERNELS[which][1])
-    names = list(fn.arg_names)
-    constexprs = [p.name for p in fn.params if p.is_constexpr]
     count = 0
-    for setting, logits_type in variants(flags(constexprs)):
-        values = {n: setting.get(n, None) for n in constexprs}
-        for n in constexprs:
-            if values[n] is None:
-                values[n] = constexpr_value(module, n)
-        probs_type = "*fp32" if logits_type != "*fp16" else "*fp16"
-        signature = {}
-        for n in names:
-            if n in values:
-                signature[n] = "constexpr"
-            elif n.endswith("_ptr"):
-                signature[n] = pointer_type(n, logits_type, probs_type)
-            else:
-                signature[n] = "i32"
-        source = ASTSource(fn=fn, signature=signature,
-                           constexprs={(names.index(n),): v for n, v in values.items()})
-        try:
-            triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": getattr(module, "NUM_WARPS", 4)})
-        except Exception as error:  # report the variant, then fail
-            print(f"FAILED {which} {logits_type} {setting}: {type(error).__name__}: {error}", file=sys.stderr)
-            cause = error.__cause__ or error.__context__
-            while cause is not None:  # the nested call's error says what is wrong
-                print(f"caused by {type(cause).__name__}: {cause}", file=sys.stderr)
-                cause = cause.__cause__ or cause.__context__
-            return 1
-        count += 1
+    for kernel in KERNELS[which][1]:
+        fn = getattr(module, kernel)
+        names = list(fn.arg_names)
+        constexprs = [p.name for p in fn.params if p.is_constexpr]
+        for setting, logits_type in variants(flags(constexprs)):
+            values = {n: setting.get(n, None) for n in constexprs}
+            for n in constexprs:
+                if values[n] is None:
+                    values[n] = constexpr_value(module, n)
+            probs_type = "*fp32" if logits_type != "*fp16" else "*fp16"
+            signature = {}
+            for n in names:
+                if n in values:
+                    signature[n] = "constexpr"
+                elif n.endswith("_ptr"):
+                    signature[n] = pointer_type(module, n, logits_type, probs_type)
+                else:
+                    signature[n] = "i32"
+            source = ASTSource(fn=fn, signature=signature,
+                               constexprs={(names.index(n),): v for n, v in values.items()})
+            try:
+                triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": getattr(module, "NUM_WARPS", 4)})
+            except Exception as error:  # report the variant, then fail
+                print(f"FAILED {which} {kernel} {logits_type} {setting}: {type(error).__name__}: {error}",
+                      file=sys.stderr)
+                cause = error.__cause__ or error.__context__
+                while cause is not None:  # the nested call's error says what is wrong
+                    print(f"caused by {type(cause).__name__}: {cause}", file=sys.stderr)
+                    cause = cause.__cause__ or cause.__context__
+                return 1
+            count += 1
     print(f"compiled {which}: {count} variants for sm_90")
     return 0
 

@@ -23,11 +23,22 @@ first (the residual mass after j rejected siblings depends on the mass after j -
 The random streams are keyed by the global vocabulary index (chunk c of the global row), so
 every rank draws exactly the noise the single-device op draws, and the outputs equal the
 single-device op's on the gathered logits for the same seeds (except at float near-ties);
-all ranks return the same outputs. Local work: on CUDA tensors a few Triton launches (row
-statistics in one read of the shard, residual masses, per-chunk sums of the final rows'
-weights, the Philox draws) plus small vectorized PyTorch; on CPU tensors (gloo) vectorized
-PyTorch. NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths
-(``max_spec_len`` / ``max_depth``, ``max_children``) and the seeds are given.
+all ranks return the same outputs.
+
+Local work:
+
+- chain op, CUDA tensors: five fused Triton launches (``triton_vocab_parallel``), one before
+  each collective and one after the last -- row statistics and the drafts' values in one
+  read of the shard | accept tests, stop row and per-chunk sums of its weights | edge merge
+  and chunk race | in-chunk inverse CDF | the final token -- and no other kernel (output
+  buffers aside). $SPECDEC_VP_TRITON=1 forces this path on CPU tensors (in Triton's
+  interpreter, TRITON_INTERPRET=1: the tests), =0 selects the torch path everywhere;
+- tree op, CUDA tensors: a few Triton launches (row statistics, residual masses, per-chunk
+  sums of the final rows' weights, the Philox draws) plus small vectorized PyTorch;
+- CPU tensors (gloo), or float64: vectorized PyTorch, the same arithmetic.
+
+NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths (``max_spec_len``
+/ ``max_depth``, ``max_children``) and the seeds are given; CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -51,6 +62,8 @@ try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small t
     import triton
     import triton.language as tl
 
+    from . import triton_vocab_parallel as _tvp
+    from .triton_vocab_parallel import _shard_row_stats as _tl_shard_row_stats
     from .triton_rejection_sample import _philox_words as _tl_philox_words
     from .triton_rejection_sample import _sanitize as _tl_sanitize
 except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is used instead
@@ -59,6 +72,17 @@ except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is use
 __all__ = ["rejection_sample_vocab_parallel", "tree_rejection_sample_vocab_parallel"]
 
 _NEG_INF = float("-inf")
+# For python_tests/triton_sm90_compile.py: constexpr values and pointer element types of the
+# tree path's kernels.
+STREAM = STREAM_SAMPLE
+BLOCK = 1024
+CHUNK = SAMPLE_CHUNK
+POINTER_TYPES = {
+    "seed_ptr": "*i64", "offset_ptr": "*i64", "node_ptr": "*i64", "lane_ptr": "*i64", "w0_ptr": "*i64",
+    "w1_ptr": "*i64", "rows_ptr": "*i64", "inv_t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+    "arg_ptr": "*i64", "probs_ptr": "*fp32", "a_ptr": "*fp32", "need_ptr": "*i32", "out_ptr": "*fp32",
+    "prow_ptr": "*i64", "excl_ptr": "*u8", "use_res_ptr": "*i32", "tot_w_ptr": "*fp32", "tot_q_ptr": "*fp32",
+}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
@@ -83,22 +107,7 @@ if triton is not None:
         row = tl.load(rows_ptr + i)
         inv_t = tl.load(inv_t_ptr + i)
         base = logits_ptr + tl.maximum(row, 0).to(tl.int64) * stride
-        n = tl.where(row >= 0, n_cols, 0)
-        m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
-        s_vec = tl.zeros([BLOCK], tl.float32)
-        a_vec = tl.full([BLOCK], 2147483647, tl.int32)
-        for start in range(0, n, BLOCK):  # per lane: online max / sum, first index of the max
-            cols = start + tl.arange(0, BLOCK)
-            x = _tl_sanitize(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
-            m_new = tl.maximum(m_vec, x)
-            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            s_vec = s_vec * tl.exp((m_vec - shift) * inv_t) + tl.exp((x - shift) * inv_t)
-            a_vec = tl.where(x > m_vec, cols, a_vec)
-            m_vec = m_new
-        m = tl.max(m_vec, 0)
-        shift = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.sum(s_vec * tl.exp((m_vec - shift) * inv_t), 0)
-        arg = tl.min(tl.where((m_vec == m) & (m_vec > float("-inf")), a_vec, 2147483647), 0)
+        m, total, arg = _tl_shard_row_stats(base, tl.where(row >= 0, n_cols, 0), inv_t, BLOCK)
         tl.store(max_ptr + i, m)
         tl.store(sum_ptr + i, total)
         tl.store(arg_ptr + i, tl.where(arg < 2147483647, arg, n_cols).to(tl.int64))
@@ -160,7 +169,15 @@ if triton is not None:
 
 
 def _use_triton(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
-    return triton is not None and (t.is_cuda or _INTERPRET) and compute_dtype == torch.float32
+    """The Triton kernels on ``t``'s device: on CUDA tensors, and on CPU tensors in Triton's
+    interpreter when forced ($SPECDEC_VP_TRITON=1, or ``_INTERPRET`` that the tests toggle);
+    $SPECDEC_VP_TRITON=0 = never (the vectorized torch path everywhere)."""
+    if triton is None or compute_dtype != torch.float32:
+        return False
+    mode = os.environ.get("SPECDEC_VP_TRITON")
+    if mode == "0":
+        return False
+    return t.is_cuda or mode == "1" or _INTERPRET
 
 
 def _row_stats(logits: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, lo: int, vocab_size: int,
@@ -214,7 +231,7 @@ def _philox01(seeds, offsets, stream: int, node, lane) -> tuple[torch.Tensor, to
     """Words 0 and 1 of ``philox.philox_words`` (same arguments, broadcast), as int64: one
     Triton launch on CUDA tensors (and in Triton's interpreter), the torch Philox otherwise."""
     seeds, offsets, node, lane = torch.broadcast_tensors(*(t.to(torch.int64) for t in (seeds, offsets, node, lane)))
-    if triton is None or not (seeds.is_cuda or _INTERPRET) or seeds.numel() == 0:
+    if not _use_triton(seeds, torch.float32) or seeds.numel() == 0:
         w0, w1, _, _ = philox_words(seeds, offsets, stream, node, lane)
         return w0, w1
     flat = [t.contiguous().view(-1) for t in (seeds, offsets, node, lane)]
@@ -288,9 +305,15 @@ def rejection_sample_vocab_parallel(
     if seeds is None:
         seeds = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64, device=device)
         dist.broadcast(seeds, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    lo, hi = vocab_start, vocab_start + v_local
+    if B > 0 and _use_triton(target_logits, compute_dtype) and target_logits.stride(1) == 1 and \
+            (draft_probs is None or draft_probs.stride(1) == 1):
+        if offsets is None:
+            offsets = torch.zeros(B, dtype=torch.int64, device=device)
+        return _chain_fused(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
+                            offsets, L, lo, hi, vocab_size, group)
     seeds = seeds.to(torch.int64)
     offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
-    lo, hi = vocab_start, vocab_start + v_local
 
     # ---- local row statistics [B, L+1] and draft positions (the reference's layout) ----------
     cu = cu_num_draft_tokens.to(torch.int64)
@@ -373,6 +396,35 @@ def rejection_sample_vocab_parallel(
     return out.to(torch.int32), t_star.to(torch.int32)
 
 
+def _local_chunks(lo: int, hi: int) -> tuple[int, int]:
+    """(first global chunk this shard touches, how many): the first and the last may be shared
+    with the neighbouring shards."""
+    c_first = lo // SAMPLE_CHUNK
+    c_last = (hi - 1) // SAMPLE_CHUNK if hi > lo else c_first - 1
+    return c_first, max(c_last - c_first + 1, 0)
+
+
+def _chain_fused(logits, draft_ids, cu, draft_probs, temperature, seeds, offsets, L, lo, hi, vocab_size, group):
+    """The chain op's Triton path: five launches around the four collectives
+    (``triton_vocab_parallel``), the same tokens as the torch path below."""
+    rank = dist.get_rank(group)
+    S = _tvp.row_segments(logits.shape[0], vocab_size, dist.get_world_size(group))
+    stats = _tvp.chain_local_stats(logits, draft_probs, draft_ids, cu, temperature, L, lo, vocab_size, S)
+    gathered = _all_gather(stats, group)  # collective 1: [W, B (L+1), 3 S + 2]
+    c_first, n_chunks = _local_chunks(lo, hi)
+    totals, edges, state_i, state_f, out, num_acc = _tvp.chain_final_totals(
+        logits, draft_probs, draft_ids, cu, temperature, seeds, offsets, gathered, L, lo, vocab_size, c_first,
+        n_chunks)
+    all_edges = _all_gather(edges, group)  # collective 2: [W, B', 5]
+    race = _tvp.chunk_race(totals, all_edges, state_i, seeds, offsets, rank, lo, hi, c_first)
+    all_race = _all_gather(race, group)  # collective 3: [W, B', 2]
+    picks = _tvp.chunk_pick(logits, draft_probs, temperature, seeds, offsets, totals, all_edges, all_race, state_i,
+                            state_f, rank, lo, hi, c_first, vocab_size)
+    dist.all_reduce(picks, op=dist.ReduceOp.MIN, group=group)  # collective 4
+    _tvp.chain_finish(picks, state_i, temperature, out, vocab_size)
+    return out, num_acc
+
+
 class _FinalRows:
     """The final rows' sampling weights on this shard, computed from the raw shard on demand
     (never materialized on CUDA): q = exp((l - max) / T) / sum with the global statistics, and
@@ -453,9 +505,8 @@ def _sample_sharded(final: _FinalRows, with_q: bool, seeds, offsets, nodes, lo: 
     B = 2 * R if with_q else R
     dtype = final.cd
     # Chunks this shard touches (the first and last may be shared with the neighbours).
-    c_first = lo // SAMPLE_CHUNK
-    c_last = (hi - 1) // SAMPLE_CHUNK if hi > lo else c_first - 1
-    n_local_chunks = max(c_last - c_first + 1, 0)
+    c_first, n_local_chunks = _local_chunks(lo, hi)
+    c_last = c_first + n_local_chunks - 1
     tot_w, tot_q = final.chunk_totals(c_first, n_local_chunks)
     part = torch.cat([tot_w, tot_q]) if with_q else tot_w  # [B, n_local_chunks]
     part = torch.nan_to_num(part.to(dtype), nan=0.0).clamp(min=0)
