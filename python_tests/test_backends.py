@@ -52,6 +52,31 @@ def test_triton_interpreter_splits_agree(num_splits):
         assert torch.equal(out, ref_out) and torch.equal(num, ref_num)
 
 
+@pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
+                    reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
+@pytest.mark.parametrize("programs", [2, 4, 16])
+def test_triton_interpreter_block_sums_every_residual_split(monkeypatch, programs):
+    """Block verification with draft probabilities sums R_i over the residual units' splits.
+    Their count (from the GPU size and B) can exceed the phase-1 split count, which once set
+    the padding of that sum, so splits were dropped: on an H200, request 41 of the V = 32000
+    test batch (seed 1) kept 0 drafts instead of 1. Here the GPU's split counts are imposed
+    on that request alone (1 phase-1 split and 2-16 residual splits)."""
+    from specdec_kernels import triton_rejection_sample as trs
+    vocab = 32000
+    logits, drafts, cu, probs, temp, seeds, offsets, max_len = random_batch(
+        256, 4, vocab, draft_probs=True, seed=1000 + vocab % 997)
+    b = 41
+    lo, hi = int(cu[b]), int(cu[b + 1])
+    args = (logits[lo + b:hi + b + 1].contiguous(), drafts[lo:hi].contiguous(),
+            torch.tensor([0, hi - lo], dtype=torch.int32), probs[lo:hi].contiguous(), temp[b:b + 1],
+            seeds[b:b + 1], offsets[b:b + 1], max_len)
+    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference", method="block")
+    assert int(ref_num[0]) == 1  # the case: one draft kept
+    monkeypatch.setattr(trs, "_target_programs", lambda device: programs)
+    out, num = trs.rejection_sample_triton(*args, method="block")
+    assert torch.equal(out, ref_out) and torch.equal(num, ref_num)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])

@@ -711,7 +711,8 @@ def rejection_sample_triton(
         HAS_OFFSETS=offsets is not None,
         BLOCK_VERIFY=method == "block",
         ROWS_PAD=triton.next_power_of_2(L + 1),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        # Pads both split counts: the block finalizer sums every residual split's mass.
+        SPLITS_PAD=triton.next_power_of_2(max(num_splits, residual_splits)),
         CHUNKS_PAD=triton.next_power_of_2(num_chunks),
         CHUNK=SAMPLE_CHUNK,
         GROUP=GROUP,
