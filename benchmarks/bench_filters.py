@@ -48,7 +48,13 @@ FILTER_SETTINGS = {
     "p0.9": (None, 0.9, None),
     "minp0.05": (None, None, 0.05),
     "k50 p0.9 minp0.05": (50, 0.9, 0.05),
+    # Probes (not in the default sweep): where the filtered call's time goes.
+    "k0 (off)": (0, None, None),        # the filtered kernel variant, no row filtered
+    "k1": (1, None, None),              # the smallest bracket
+    "minp0.999": (None, None, 0.999),   # a closed-form threshold keeping ~1 token: no search
 }
+DEFAULT_SETTINGS = ["k50 p0.9", "k50", "p0.9", "minp0.05", "k50 p0.9 minp0.05"]
+CONFIGS = {"bf16": ("bf16", False), "fp32+draft": ("fp32", True)}
 
 
 def filter_tensors(batch: int, setting) -> dict:
@@ -98,9 +104,13 @@ def main():
     ap.add_argument("--scale", default="2", help="comma list of logit standard deviations")
     ap.add_argument("--knobs", action="store_true", help="also sweep FILTER_CAP / FILTER_TILE on the bar setting")
     ap.add_argument("--max-graph-calls", type=int, default=16)
-    ap.add_argument("--settings", default=",".join(FILTER_SETTINGS),
+    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help=f"comma list of filter settings to time, of {list(FILTER_SETTINGS)}")
+    ap.add_argument("--configs", default="bf16,fp32+draft", help=f"comma list of {list(CONFIGS)}")
+    ap.add_argument("--no-sort", action="store_true", help="skip the sort-based baselines")
+    ap.add_argument("--tag", default="", help="a label for this run: a CSV column and the files' suffix")
     args = ap.parse_args()
+    configs = [CONFIGS[c.strip()] for c in args.configs.split(",")]
     settings = [name.strip() for name in args.settings.split(",")]
     unknown = [name for name in settings if name not in FILTER_SETTINGS]
     if unknown:
@@ -116,7 +126,7 @@ def main():
     rows = []
     for scale in (float(s) for s in args.scale.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            for dtype, probs in (("bf16", False), ("fp32", True)):
+            for dtype, probs in configs:
                 floor = floor_us(batch, k, args.vocab, dtype, probs, bandwidth)
                 set_bytes = batch * (k + 1) * args.vocab * (DTYPES[dtype].itemsize + (4 if probs else 0))
                 n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
@@ -150,7 +160,8 @@ def main():
                 variants = [("triton", lambda inp: call(inp, "triton"))]
                 variants += [(f"triton {name}", lambda inp, s=s: call(inp, "triton", filter_tensors(batch, s)))
                              for name, s in FILTER_SETTINGS.items() if name in settings]
-                variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
+                if not args.no_sort:
+                    variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
                 if cuda_built:
                     variants.append(("cuda", lambda inp: call(inp, "cuda")))
                 knob_runs = [(None, None)]
@@ -172,7 +183,7 @@ def main():
                             graph = time_graph([make(s) for s in sets])
                             if name == "triton":
                                 base_graph = graph
-                            row = dict(info, variant=name, B=batch, K=k, V=args.vocab, logits_dtype=dtype,
+                            row = dict(info, tag=args.tag, variant=name, B=batch, K=k, V=args.vocab, logits_dtype=dtype,
                                        draft_probs="fp32" if probs else "none", logit_std=scale,
                                        filter_cap=trs.FILTER_CAP, filter_tile=trs.FILTER_TILE,
                                        floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
@@ -188,7 +199,7 @@ def main():
                 del sets
                 torch.cuda.empty_cache()
 
-    with open(os.path.join(args.out, "bench_filters.csv"), "w", newline="") as f:
+    with open(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -201,7 +212,7 @@ def main():
         lines.append(f"| {r['B']} | {r['logits_dtype']} | {r['draft_probs']} | {r['logit_std']:g} | {r['variant']} | "
                      f"{r['floor_us']:.1f} | {r['graph_us']:.1f} | {r['vs_unfiltered']:.2f}x | {r['eager_us']:.1f} |")
     table = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "bench_filters.md"), "w") as f:
+    with open(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.md"), "w") as f:
         f.write(table)
     print(table)
     bar = [r for r in rows if r["variant"] == "triton k50 p0.9" and r["logits_dtype"] == "bf16" and r["B"] == 32
