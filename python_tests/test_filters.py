@@ -297,13 +297,13 @@ try:
     from specdec_kernels.triton_filters import _row_filter
 
     @triton.jit
-    def _row_filter_kernel(logits_ptr, vocab, table_m_ptr, table_w_ptr, idx_ptr, buf_ptr, max_ptr, sum_ptr, temp_ptr,
+    def _row_filter_kernel(logits_ptr, vocab, table_m_ptr, table_w_ptr, scratch_ptr, buf_ptr, max_ptr, sum_ptr, temp_ptr,
                            top_k_ptr, top_p_ptr, min_p_ptr, thr_ptr, z_ptr, num_chunks, CHUNKS_PAD: tl.constexpr,
                            CAP: tl.constexpr):
         r = tl.program_id(0)
         k = 1.4426950408889634 / tl.load(temp_ptr + r)
         thr, z = _row_filter(logits_ptr + r * vocab, table_m_ptr + r * num_chunks, table_w_ptr + r * num_chunks,
-                             idx_ptr + r * CAP, buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r),
+                             scratch_ptr + r * (CHUNKS_PAD + CAP), buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r),
                              k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), tl.load(min_p_ptr + r), -1, vocab,
                              num_chunks, CHUNKS_PAD, 256, CAP, 8, 2, 16)
         tl.store(thr_ptr + r, thr)
@@ -331,7 +331,7 @@ def row_filter(logits, temperature, top_k, top_p, min_p, cap):
     thr, z = torch.empty(rows, device=device), torch.empty(rows, device=device)
     _row_filter_kernel[(rows,)](
         padded[:, :vocab].contiguous(), vocab, m_c.contiguous(), w_c.contiguous(),
-        torch.zeros(rows * cap, dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
+        torch.zeros(rows * (pad + cap), dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
         row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, z, chunks, CHUNKS_PAD=pad, CAP=cap)
     return thr, z, w_c
 

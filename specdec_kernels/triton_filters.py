@@ -67,20 +67,12 @@ def _unkey(key):
 
 @triton.jit
 def _count_above(keys, weights, ok, piv, PIVOTS: tl.constexpr):
-    """For each pivot key: how many of the ``ok`` keys are >= it, and their total weight. Four
-    pivots at a time ([N, 4] temporaries: register pressure is shared with the whole kernel)."""
-    i = tl.arange(0, PIVOTS)
-    j = tl.arange(0, 4)
-    cnt = tl.zeros([PIVOTS], tl.int32)
-    mass = tl.zeros([PIVOTS], tl.float32)
-    for g in tl.static_range(PIVOTS // 4):
-        to_group = (j[:, None] + 4 * g) == i[None, :]  # [4, PIVOTS]
-        piv4 = tl.sum(tl.where(to_group, piv[None, :], 0), 1)
-        above = ok[:, None] & (keys[:, None] >= piv4[None, :])
-        c4 = tl.sum(above.to(tl.int32), 0)
-        m4 = tl.sum(tl.where(above, weights[:, None], 0.0), 0)
-        cnt += tl.sum(tl.where(to_group, c4[:, None], 0), 0)
-        mass += tl.sum(tl.where(to_group, m4[:, None], 0.0), 0)
+    """For each pivot key: how many of the ``ok`` keys are >= it, and their total weight. One
+    [N, PIVOTS] comparison and two reductions (each reduction across warps is a shared-memory
+    round trip and a barrier: their number, not the arithmetic, sets this loop's cost)."""
+    above = ok[:, None] & (keys[:, None] >= piv[None, :])
+    cnt = tl.sum(above.to(tl.int32), 0)
+    mass = tl.sum(tl.where(above, weights[:, None], 0.0), 0)
     return cnt, mass
 
 
@@ -99,47 +91,51 @@ def _min_p_key(row_max, k, log2_min_p):
 
 
 @triton.jit
-def _qualify(m_c, in_table, lo):
-    """The chunks whose max has key >= lo (only those can hold a token with key >= lo): the
-    hit mask, each hit's rank among them (ascending chunk order) and how many there are. All
-    in registers: the loops below turn ranks into chunk ids without a memory round trip."""
+def _qualify(m_c, in_table, lo, list_ptr):
+    """Write the ids of the chunks whose max has key >= lo to list_ptr (ascending) and return
+    how many: only those can hold a token with key >= lo. (The loops read the list back one
+    tile ahead; chunk ids computed in registers per tile cost two cross-warp reductions per
+    tile, which measured slower.)"""
+    c = tl.arange(0, m_c.shape[0])
     hit = in_table & (_key(m_c) >= lo)
-    rank = tl.cumsum(hit.to(tl.int32), 0) - 1
-    return hit, rank, tl.sum(hit.to(tl.int32), 0)
+    pos = tl.cumsum(hit.to(tl.int32), 0) - 1
+    tl.store(list_ptr + pos, c, mask=hit)
+    tl.debug_barrier()
+    return tl.sum(hit.to(tl.int32), 0)
 
 
 @triton.jit
-def _listed_chunks(hit, rank, start, TILE: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """The ids of the hit chunks of ranks start .. start + TILE - 1 ([TILE], 0 past the end)
-    and which of them exist."""
-    c = tl.arange(0, CHUNKS_PAD)
+def _list_tile(list_ptr, n_listed, start, TILE: tl.constexpr):
+    """Listed chunks start .. start + TILE - 1: their ids ([TILE], 0 past the end) and which exist."""
     j = start + tl.arange(0, TILE)
-    match = hit[None, :] & (rank[None, :] == j[:, None])  # [TILE, CHUNKS_PAD]
-    return tl.sum(tl.where(match, c[None, :], 0), 1), tl.sum(match.to(tl.int32), 1) > 0
+    listed = j < n_listed
+    return tl.load(list_ptr + j, mask=listed, other=0), listed
 
 
 @triton.jit
 def _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK: tl.constexpr):
     """The raw logits of the listed chunks, one tile row per chunk: [TILE, CHUNK] (and offsets,
-    in-range mask). Issued one tile ahead of its use by the loops (prefetch)."""
+    in-range mask)."""
     offs = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     ok = listed[:, None] & (offs < vocab_size)
     return tl.load(row_ptr + offs, mask=ok, other=float("-inf")), offs, ok
 
 
 @triton.jit
-def _gather(row_ptr, hit, rank, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP: tl.constexpr,
-            TILE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP: tl.constexpr,
+            TILE: tl.constexpr, CHUNK: tl.constexpr):
     """Copy the logits with lo <= key < hi of the listed chunks, and their vocabulary indices,
     to buf_ptr / idx_ptr (the first CAP of them, in index order) and return how many there are
-    (possibly more than CAP)."""
+    (possibly more than CAP). Software-pipelined: tile i + 1's logits and tile i + 2's chunk
+    ids are in flight while tile i is processed."""
     count = tl.zeros([], tl.int32)
-    chunk, listed = _listed_chunks(hit, rank, 0, TILE, CHUNKS_PAD)
-    raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
+    raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
     for start in range(0, n_listed, TILE):
-        raw, offs, ok = raw_next, offs_next, ok_next
-        chunk, listed = _listed_chunks(hit, rank, start + TILE, TILE, CHUNKS_PAD)
-        raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+        raw, offs, ok = raw_nxt, offs_nxt, ok_nxt
+        raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
         lg = tl.reshape(_clean(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = (tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)).to(tl.int32)
@@ -185,20 +181,22 @@ def _pivots(lo, hi, scale, PIVOTS: tl.constexpr):
 
 
 @triton.jit
-def _pivot_pass(row_ptr, hit, rank, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
-                TILE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
+                TILE: tl.constexpr, CHUNK: tl.constexpr):
     """The pivots of the bracket [lo, hi) (``_pivots``) and, for each, the count and the mass
-    exp2((l - row_max) k) of the bracket's tokens at or above it; also the bracket's count."""
+    exp2((l - row_max) k) of the bracket's tokens at or above it; also the bracket's count.
+    Pipelined as ``_gather``."""
     piv = _pivots(lo, hi, scale, PIVOTS)
     cnt = tl.zeros([PIVOTS], tl.int32)
     mass = tl.zeros([PIVOTS], tl.float32)
     n_in = tl.zeros([], tl.int32)
-    chunk, listed = _listed_chunks(hit, rank, 0, TILE, CHUNKS_PAD)
-    raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
+    raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
     for start in range(0, n_listed, TILE):
-        raw, ok = raw_next, ok_next
-        chunk, listed = _listed_chunks(hit, rank, start + TILE, TILE, CHUNKS_PAD)
-        raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+        raw, ok = raw_nxt, ok_nxt
+        raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
         lg = tl.reshape(_clean(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)
@@ -211,7 +209,7 @@ def _pivot_pass(row_ptr, hit, rank, n_listed, lo, hi, row_max, k, scale, vocab_s
 
 
 @triton.jit
-def _search(row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
+def _search(row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
             by_mass, goal_count, goal_mass, lo, hi,
             CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
             PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
@@ -225,18 +223,17 @@ def _search(row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, sc
     """
     n_above = tl.zeros([], tl.int32)
     mass_above = tl.zeros([], tl.float32)
-    hit, rank, n_listed = _qualify(m_c, in_table, lo)
+    n_listed = _qualify(m_c, in_table, lo, list_ptr)
     # Each listed chunk's max is in the bracket: more than CAP of them cannot fit.
     n_b = n_listed
     if n_listed <= CAP:
-        n_b = _gather(row_ptr, hit, rank, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK,
-                      CHUNKS_PAD)
+        n_b = _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK)
     passes = tl.zeros([], tl.int32)
     i = tl.arange(0, PIVOTS)
     while (n_b > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
-        hit, rank, n_listed = _qualify(m_c, in_table, lo)
-        piv, cnt, mass, n_in = _pivot_pass(row_ptr, hit, rank, n_listed, lo, hi, row_max, k, scale, vocab_size,
-                                           PIVOTS, PIVOT_TILE, CHUNK, CHUNKS_PAD)
+        n_listed = _qualify(m_c, in_table, lo, list_ptr)
+        piv, cnt, mass, n_in = _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size,
+                                           PIVOTS, PIVOT_TILE, CHUNK)
         holds = tl.where(by_mass, mass_above + mass >= goal_mass, n_above + cnt >= goal_count)
         n_true = tl.max(tl.where(holds, i + 1, 0), 0)  # the answer is in [piv[n_true-1], piv[n_true])
         n_from = tl.where(n_true > 0, _at(cnt, i, n_true - 1), n_in)
@@ -250,8 +247,8 @@ def _search(row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, sc
         mass_above += mass_up
         passes += 1
     if ((passes > 0) | (n_listed > CAP)) & (n_b <= CAP):
-        hit, rank, n_listed = _qualify(m_c, in_table, lo)
-        _gather(row_ptr, hit, rank, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK, CHUNKS_PAD)
+        n_listed = _qualify(m_c, in_table, lo, list_ptr)
+        _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK)
     return lo, hi, n_above, mass_above, n_b
 
 
@@ -279,34 +276,37 @@ def _read_off(s, e, n_b, lo, n_above, mass_above, by_mass, goal_count, goal_mass
 
 
 @triton.jit
-def _rewrite_table(row_ptr, m_c, in_table, table_w_row, vocab_size, t_key, row_max, k, excluded,
-                   CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _rewrite_table(row_ptr, m_c, in_table, table_m_row, table_w_row, list_ptr, vocab_size, t_key, row_max, k,
+                   excluded, CHUNK: tl.constexpr, TILE: tl.constexpr):
     """Restrict the row's chunk table to the kept tokens (key >= t_key): W_c = sum over them of
     exp2((l - m_c) k), ``excluded`` left out as in the stream, 0 for chunks with none; returns
     Z_t = sum over the kept tokens of exp2((l - row_max) k) (``excluded`` included). One pass
-    over the chunks whose max is kept."""
-    hit, rank, n_listed = _qualify(m_c, in_table, t_key)
-    c = tl.arange(0, CHUNKS_PAD)
-    tl.store(table_w_row + c, tl.zeros([CHUNKS_PAD], tl.float32), mask=in_table & (hit == 0))
+    over the chunks whose max is kept, pipelined as ``_gather``."""
+    c = tl.arange(0, m_c.shape[0])
+    hit = in_table & (_key(m_c) >= t_key)
+    tl.store(table_w_row + c, tl.zeros_like(m_c), mask=in_table & (hit == 0))
+    n_listed = _qualify(m_c, in_table, t_key, list_ptr)
     thr = _unkey(t_key)
     z = tl.zeros([], tl.float32)
-    chunk, listed = _listed_chunks(hit, rank, 0, TILE, CHUNKS_PAD)
-    raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+    chunk_cur, listed_cur = _list_tile(list_ptr, n_listed, 0, TILE)
+    raw_cur, offs_cur, ok_cur = _load_listed(row_ptr, chunk_cur, listed_cur, vocab_size, CHUNK)
+    m_cur = tl.load(table_m_row + chunk_cur, mask=listed_cur, other=0.0, cache_modifier=".cg")
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
     for start in range(0, n_listed, TILE):
-        raw, offs, ok, cur_chunk, cur_listed = raw_next, offs_next, ok_next, chunk, listed
-        chunk, listed = _listed_chunks(hit, rank, start + TILE, TILE, CHUNKS_PAD)
-        raw_next, offs_next, ok_next = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
+        raw, offs, ok, chunk, listed, m_t = raw_cur, offs_cur, ok_cur, chunk_cur, listed_cur, m_cur
+        raw_cur, offs_cur, ok_cur = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+        m_cur = tl.load(table_m_row + chunk_nxt, mask=listed_nxt, other=0.0, cache_modifier=".cg")
+        chunk_cur, listed_cur = chunk_nxt, listed_nxt
+        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
         lg = _clean(raw.to(tl.float32))
-        # The listed chunks' maxima, from registers.
-        m_t = tl.sum(tl.where(c[None, :] == cur_chunk[:, None], m_c[None, :], 0.0), 1)
-        m_safe = tl.where(cur_listed & (m_t > float("-inf")), m_t, 0.0)
+        m_safe = tl.where(listed & (m_t > float("-inf")), m_t, 0.0)
         # exp2((l - m_c) k) of the kept tokens, one tile row per chunk.
         kept = ok & (lg >= thr)
         w = tl.where(kept, tl.exp2((lg - m_safe[:, None]) * k), 0.0)
         total = tl.sum(w, 1)
         z += tl.sum(tl.where(total > 0.0, total * tl.exp2((m_safe - row_max) * k), 0.0), 0)
         w_out = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
-        tl.store(table_w_row + cur_chunk, w_out, mask=cur_listed)
+        tl.store(table_w_row + chunk, w_out, mask=listed)
     return z
 
 
@@ -391,7 +391,7 @@ def _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, S:
 
 
 @triton.jit
-def _row_filter(row_ptr, table_m_row, table_w_row, idx_ptr, buf_ptr, row_max, row_sum, k,
+def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max, row_sum, k,
                 top_k, top_p, min_p, excluded, vocab_size, num_chunks,
                 CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
                 PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
@@ -399,10 +399,13 @@ def _row_filter(row_ptr, table_m_row, table_w_row, idx_ptr, buf_ptr, row_max, ro
 
     row_max / row_sum: the row's max and sum of exp2((l - max) k) from the stream; top_k (int32,
     clamped to [-1, V]), top_p, min_p: the request's filters. A row without a valid logit keeps
-    t = -inf and its sum. Brackets of up to SMALL tokens are sorted at that size. idx_ptr /
-    buf_ptr: this row's CAP-entry scratch (indices / values of the current bracket).
+    t = -inf and its sum. Brackets of up to SMALL tokens are sorted at that size. scratch_ptr:
+    this row's int32 scratch, CHUNKS_PAD + CAP entries (the chunk list, then the bracket's
+    vocabulary indices); buf_ptr: its CAP float32 entries (the bracket's values).
     """
     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
+    list_ptr = scratch_ptr
+    idx_ptr = scratch_ptr + CHUNKS_PAD
     t_key = tl.full([], KEY_NEG_INF, tl.int32)
     z = row_sum
     if row_max > float("-inf"):
@@ -435,7 +438,7 @@ def _row_filter(row_ptr, table_m_row, table_w_row, idx_ptr, buf_ptr, row_max, ro
             if not p_on:
                 lo0 = tl.maximum(lo0, t_mp)  # below t_mp the exact k-th value does not matter
             lo, hi, n_above, mass_above, n_b = _search(
-                row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
+                row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
                 False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
             complete = (hi == top) & (n_b <= CAP)
             buf_lo = lo
@@ -464,7 +467,7 @@ def _row_filter(row_ptr, table_m_row, table_w_row, idx_ptr, buf_ptr, row_max, ro
                 lo1 = tl.maximum(lo1, hi)  # the answer lies above the top-k bracket
             lo1 = tl.minimum(lo1, top - 1)  # the max always qualifies (p <= 0 keeps it alone)
             lo, hi, n_above, mass_above, n_b = _search(
-                row_ptr, m_c, in_table, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
+                row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
                 True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
             complete = (hi == top) & (n_b <= CAP)
             buf_lo = lo
@@ -485,13 +488,18 @@ def _row_filter(row_ptr, table_m_row, table_w_row, idx_ptr, buf_ptr, row_max, ro
                 z = _rewrite_from_buffer(buf_ptr, idx_ptr, buf_n, table_m_row, table_w_row, in_table, t_key,
                                          row_max, k, excluded, CAP, CHUNKS_PAD, CHUNK)
         else:
-            z = _rewrite_table(row_ptr, m_c, in_table, table_w_row, vocab_size, t_key, row_max, k, excluded,
-                               CHUNKS_PAD, CHUNK, TILE)
+            z = _rewrite_table(row_ptr, m_c, in_table, table_m_row, table_w_row, list_ptr, vocab_size, t_key,
+                               row_max, k, excluded, CHUNK, TILE)
     return _unkey(t_key), z
 
 
 def filter_workspace_sizes(rows: int, num_chunks: int, cap: int) -> tuple[int, int]:
     """(float32 entries, int32 entries) of the per-row filter scratch: threshold, Z_t and the
-    CAP-entry bracket buffer's values in float32; its vocabulary indices in int32."""
-    del num_chunks  # the chunk lists live in registers
-    return rows * (2 + cap), rows * cap
+    CAP-entry bracket buffer's values in float32; the chunk list (padded to a power of 2) and
+    the bracket's vocabulary indices in int32 (``filter_scratch_stride`` per row)."""
+    return rows * (2 + cap), rows * filter_scratch_stride(num_chunks, cap)
+
+
+def filter_scratch_stride(num_chunks: int, cap: int) -> int:
+    """int32 scratch entries per row: CHUNKS_PAD (the chunk list) + CAP (bracket indices)."""
+    return triton.next_power_of_2(max(num_chunks, 1)) + cap

@@ -436,7 +436,7 @@ def _rejection_sample_kernel(
                         tl.debug_barrier()
                         f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD)
                         f_thr, f_z = _row_filter(
-                            row_ptr, table_m_row, table_w_row, flt_list_ptr + row_slot * FILTER_CAP,
+                            row_ptr, table_m_row, table_w_row, flt_list_ptr + row_slot * (CHUNKS_PAD + FILTER_CAP),
                             table_bracket_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
                             excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
                             FILTER_PIVOT_TILE, FILTER_PIVOTS)
