@@ -634,6 +634,49 @@ def _check_max_children(parents: torch.Tensor, cu_num_nodes: torch.Tensor, max_c
                          "children: the residual rounds would stop early and give wrong tokens")
 
 
+def _widest_node(tokens, parents, cu_num_nodes, vocab_size: int) -> int:
+    """The most tested children of any node (the torch path's n_children.max()); syncs."""
+    n = parents.shape[0]
+    cu = cu_num_nodes.to(torch.int64).clamp(0, n)
+    cu = torch.maximum(cu, torch.cummax(cu, 0).values)
+    g = torch.arange(n, device=parents.device)
+    owner = torch.searchsorted(cu[1:], g, right=True)
+    local = g - cu[owner.clamp(max=cu.shape[0] - 1)]
+    par, x = parents.to(torch.int64), tokens.to(torch.int64)
+    child = (local > 0) & (par >= 0) & (par < local) & (owner < cu.shape[0] - 1) & (x >= 0) & (x < vocab_size)
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=parents.device).scatter_add_(
+        0, torch.where(child, cu[owner.clamp(max=cu.shape[0] - 1)] + par, n), child.to(torch.int64))[:n]
+    return int(counts.max())
+
+
+def _tree_fused(logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets, D, rounds, lo, hi,
+                vocab_size, group):
+    """The tree op's Triton path: five launches around the four collectives, plus one before each
+    of the ``rounds`` all_reduces of the residual masses (``triton_vocab_parallel``); the same
+    tokens as the torch path below."""
+    N = logits.shape[0]
+    rank = dist.get_rank(group)
+    S = _tvp.row_segments(N, vocab_size, dist.get_world_size(group))
+    stats = _tvp.tree_local_stats(logits, draft_probs, tokens, parents, cu, temperature, lo, vocab_size, S)
+    gathered = _all_gather(stats, group)  # collective 1: [W, N, 3 S + 2]
+    mass = torch.empty(max(rounds, 1), N, dtype=torch.float32, device=logits.device)
+    for j in range(1, rounds + 1):
+        _tvp.tree_residual_mass(logits, draft_probs, tokens, parents, cu, temperature, gathered, mass, j, vocab_size)
+        dist.all_reduce(mass[j - 1], op=dist.ReduceOp.SUM, group=group)  # collectives 1b
+    c_first, n_chunks = _local_chunks(lo, hi)
+    totals, edges, state_i, state_f, out, path, num_acc = _tvp.tree_final_totals(
+        logits, draft_probs, tokens, parents, cu, temperature, seeds, offsets, gathered, mass, rounds, D, lo,
+        vocab_size, c_first, n_chunks)
+    all_edges = _all_gather(edges, group)  # collective 2: [W, 2B, 5]
+    race = _tvp.chunk_race(totals, all_edges, state_i, seeds, offsets, rank, lo, hi, c_first)
+    all_race = _all_gather(race, group)  # collective 3: [W, 2B, 2]
+    picks = _tvp.tree_chunk_pick(logits, draft_probs, tokens, parents, temperature, seeds, offsets, totals, all_edges,
+                                 all_race, state_i, state_f, rank, lo, hi, c_first, vocab_size)
+    dist.all_reduce(picks, op=dist.ReduceOp.MIN, group=group)  # collective 4
+    _tvp.tree_finish(picks, state_i, temperature, out, vocab_size)
+    return out, path, num_acc
+
+
 def tree_rejection_sample_vocab_parallel(
     target_logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -755,15 +798,24 @@ def tree_rejection_sample_vocab_parallel(
     D = int(max_depth)
     lo, hi = vocab_start, vocab_start + v_local
     cd = compute_dtype
-    out = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
-    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
     if B == 0 or N == 0:  # the same on every rank: no collective
-        return out.to(torch.int32), path.to(torch.int32), torch.zeros(B, dtype=torch.int32, device=device)
+        empty = torch.full((B, D + 1), -1, dtype=torch.int32, device=device)
+        return empty, empty.clone(), torch.zeros(B, dtype=torch.int32, device=device)
     if seeds is None:
         seeds = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64, device=device)
         dist.broadcast(seeds, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     seeds = seeds.to(torch.int64)
     offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
+    if _use_triton(target_logits, cd) and target_logits.stride(1) == 1 and \
+            (draft_probs is None or draft_probs.stride(1) == 1):
+        if draft_probs is not None and max_children is None:
+            max_children = _widest_node(tokens, parents, cu_num_nodes, vocab_size)
+        rounds = max(int(max_children) - 1, 0) if draft_probs is not None else 0
+        return _tree_fused(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, D,
+                           rounds, lo, hi, vocab_size, group)
+
+    out = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
+    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
 
     # ---- tree structure (the reference's rules for malformed links), sync-free ----------------
     cu = cu_num_nodes.to(torch.int64).clamp(0, N)

@@ -35,6 +35,8 @@ BLOCK = 1024               # columns per step of the row-statistics loop
 CHUNKS_PER_PROGRAM = 8     # chunks of 256 per program of the totals kernel (amortizes the decision)
 FINISH_BLOCK = 128
 TARGET_PROGRAMS = 512      # statistics programs to aim for (row segments on small batches)
+BLOCK_B = 128              # request offsets per step of the trees' owner / bounds loops
+NODE_TILE = 16             # a node's candidate children tested per step of the tree walk
 _ACCEPT = tl.constexpr(0)  # philox.STREAM_ACCEPT
 _SAMPLE = tl.constexpr(1)  # philox.STREAM_SAMPLE
 _TINY = tl.constexpr(1.1754943508222875e-38)
@@ -43,7 +45,7 @@ _TINY = tl.constexpr(1.1754943508222875e-38)
 POINTER_TYPES = {
     "stats_ptr": "*fp32", "gathered_ptr": "*fp32", "totals_ptr": "*fp32", "edges_ptr": "*fp32",
     "state_f_ptr": "*fp32", "race_ptr": "*fp64", "picks_ptr": "*i64", "state_i_ptr": "*i64",
-    "cu_ptr": "*i32", "out_ptr": "*i32", "num_acc_ptr": "*i32",
+    "cu_ptr": "*i32", "out_ptr": "*i32", "num_acc_ptr": "*i32", "mass_ptr": "*fp32",
 }
 
 
@@ -281,12 +283,13 @@ def _store_edges(edge_ptr, tot, c, j, c_first, n_chunks):
 
 @triton.jit
 def _chunk_race_kernel(totals_ptr, edges_ptr, race_ptr, state_i_ptr, seeds_ptr, offsets_ptr,
-                       B, W, my_rank, lo, hi, c_first, n_chunks,
+                       B, W, my_rank, lo, hi, c_first, n_chunks, state_stride,
                        W_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Program r (row r of B' = the final rows, then their q rows): adds the other ranks'
     partial sums of the shared edge chunks to totals[r] (in place: the pick kernel reads
     them), then races the chunks that start in this shard: race[r] = (best score
-    log2(W_c) - log2(-log2(v_c)) in float64, its chunk; -inf, c_first without any)."""
+    log2(W_c) - log2(-log2(v_c)) in float64, its chunk; -inf, c_first without any). The
+    Philox node is state_i[b, 0] (chains and trees alike)."""
     r = tl.program_id(0)
     B2 = tl.num_programs(0)
     b = r % B
@@ -306,7 +309,7 @@ def _chunk_race_kernel(totals_ptr, edges_ptr, race_ptr, state_i_ptr, seeds_ptr, 
     owned = in_range & (chunk * CHUNK >= lo) & (chunk * CHUNK < hi)  # each chunk raced by one rank
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     offset = tl.load(offsets_ptr + b).to(tl.int64)
-    node = tl.load(state_i_ptr + b * 5).to(tl.int32)  # t_star
+    node = tl.load(state_i_ptr + b * state_stride).to(tl.int32)  # the Philox node: t_star, or the tree's stop node
     _, w1 = _philox_words(seed, offset, _SAMPLE, node + c * 0, chunk)
     v = ((w1 >> 8) + 1).to(tl.float64) * (1.0 / 16777216.0)
     score = tl.where((tot > 0) & owned, tl.log2(tot.to(tl.float64)) - tl.log2(-tl.log2(v)), float("-inf"))
@@ -318,18 +321,10 @@ def _chunk_race_kernel(totals_ptr, edges_ptr, race_ptr, state_i_ptr, seeds_ptr, 
 
 
 @triton.jit
-def _chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, temperature_ptr, seeds_ptr, offsets_ptr,
-                       totals_ptr, edges_ptr, race_ptr, state_i_ptr, state_f_ptr, picks_ptr,
-                       B, W, my_rank, lo, hi, c_first, n_chunks, vocab_size,
-                       HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, W_PAD: tl.constexpr,
-                       CHUNK: tl.constexpr):
-    """Program r: the race's winner over the ranks (highest score, lowest chunk on ties), then
-    the in-chunk inverse CDF on this shard's columns of it, offset by the mass of the lower
-    ranks' part of the chunk: picks[r] = (first crossing or vocab_size, -(last positive entry
-    or -1)), for the all_reduce(MIN)."""
-    r = tl.program_id(0)
-    B2 = tl.num_programs(0)
-    b = r % B
+def _race_winner(totals_ptr, edges_ptr, race_ptr, r, B2, W, my_rank, c_first, n_chunks, W_PAD: tl.constexpr):
+    """Row r's race winner over the ranks (highest score, lowest chunk on ties): (winner, found,
+    in_shard: the winner has columns here, its merged total here, the mass of the lower ranks'
+    part of it)."""
     w = tl.arange(0, W_PAD)
     scores = tl.load(race_ptr + (w * B2 + r) * 2, mask=w < W, other=float("-inf"))
     chunks = tl.load(race_ptr + (w * B2 + r) * 2 + 1, mask=w < W, other=0.0)
@@ -350,6 +345,37 @@ def _chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, temperat
         cnt = tl.load(e + 4, mask=lower, other=0.0)
         before += tl.where(lower & (cnt >= 1) & (ef == winner), tl.load(e + 1, mask=lower, other=0.0), 0.0)
         before += tl.where(lower & (cnt >= 2) & (el == winner), tl.load(e + 3, mask=lower, other=0.0), 0.0)
+    return winner, found, in_shard, win_total, before
+
+
+@triton.jit
+def _store_pick(picks_ptr, r, wt, valid, gcol, before, threshold, vocab_size):
+    """In-chunk inverse CDF of this shard's weights ``wt`` of the winning chunk, offset by the
+    lower ranks' mass: picks[r] = (first crossing or vocab_size, -(last positive entry or -1))."""
+    wt = tl.where(valid & (wt == wt), tl.maximum(wt, 0.0), 0.0)
+    prefix = before + tl.cumsum(wt, 0)
+    positive = valid & (wt > 0)
+    first = tl.min(tl.where(positive & (prefix >= threshold), gcol, vocab_size), 0)
+    last = tl.max(tl.where(positive, gcol, -1), 0)
+    tl.store(picks_ptr + r * 2, first.to(tl.int64))
+    tl.store(picks_ptr + r * 2 + 1, -last.to(tl.int64))
+
+
+@triton.jit
+def _chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, temperature_ptr, seeds_ptr, offsets_ptr,
+                       totals_ptr, edges_ptr, race_ptr, state_i_ptr, state_f_ptr, picks_ptr,
+                       B, W, my_rank, lo, hi, c_first, n_chunks, vocab_size,
+                       HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, W_PAD: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Program r: the race's winner over the ranks (highest score, lowest chunk on ties), then
+    the in-chunk inverse CDF on this shard's columns of it, offset by the mass of the lower
+    ranks' part of the chunk: picks[r] = (first crossing or vocab_size, -(last positive entry
+    or -1)), for the all_reduce(MIN)."""
+    r = tl.program_id(0)
+    B2 = tl.num_programs(0)
+    b = r % B
+    winner, found, in_shard, win_total, before = _race_winner(totals_ptr, edges_ptr, race_ptr, r, B2, W, my_rank,
+                                                              c_first, n_chunks, W_PAD)
     t_star = tl.load(state_i_ptr + b * 5)
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     offset = tl.load(offsets_ptr + b).to(tl.int64)
@@ -368,13 +394,7 @@ def _chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, temperat
                            inv_t, x_star_local, HAS_PROBS)
     if HAS_PROBS:
         wt = tl.where(r >= B, q, wt)  # rows B.. are the q rows
-    wt = tl.where(valid & (wt == wt), tl.maximum(wt, 0.0), 0.0)
-    prefix = before + tl.cumsum(wt, 0)
-    positive = valid & (wt > 0)
-    first = tl.min(tl.where(positive & (prefix >= threshold), gcol, vocab_size), 0)
-    last = tl.max(tl.where(positive, gcol, -1), 0)
-    tl.store(picks_ptr + r * 2, first.to(tl.int64))
-    tl.store(picks_ptr + r * 2 + 1, -last.to(tl.int64))
+    _store_pick(picks_ptr, r, wt, valid, gcol, before, threshold, vocab_size)
 
 
 @triton.jit
@@ -403,6 +423,371 @@ def _chain_finish_kernel(picks_ptr, state_i_ptr, temperature_ptr, out_ptr, B, L,
         token = tl.where(greedy, am, token)
     t_star = tl.load(state_i_ptr + b * 5, mask=ok, other=0)
     tl.store(out_ptr + b * (L + 1) + t_star, token.to(tl.int32), mask=ok)
+
+
+# ---- trees (``tree_rejection_sample_vocab_parallel``) ------------------------------------------
+# Node i of the flat [N] arrays belongs to request owner(i) under the torch path's sanitized
+# offsets cu' = cummax(clamp(cu, 0, N)); child j of node v (same request, v < j) is tested iff
+# its parent link is valid (0 <= parents[j] < j - cu'[b]) and its token is in [0, V).
+
+@triton.jit
+def _clamped_cu(cu_ptr, k, B, N):
+    return tl.minimum(tl.maximum(tl.load(cu_ptr + k, mask=k <= B, other=0).to(tl.int64), 0), N)
+
+
+@triton.jit
+def _tree_owner(cu_ptr, i, B, N, BLOCK_B: tl.constexpr):
+    """(owner, cu'[owner]) of node i: owner = #{k >= 1 : cu'[k] <= i} (B past cu'[B]), as the
+    torch path's searchsorted. cu'[k] <= i exactly for k below the first k with
+    clamp(cu[k]) > i, so two min/max passes over cu replace the prefix max."""
+    f = tl.full([], 0, tl.int32) + B + 1
+    for k0 in range(0, B + 1, BLOCK_B):
+        k = k0 + tl.arange(0, BLOCK_B)
+        c = _clamped_cu(cu_ptr, k, B, N)
+        f = tl.minimum(f, tl.min(tl.where((k <= B) & (c > i), k, B + 1), 0))
+    owner = tl.maximum(f - 1, 0)
+    start = tl.zeros([], tl.int64)
+    for k0 in range(0, owner + 1, BLOCK_B):
+        k = k0 + tl.arange(0, BLOCK_B)
+        start = tl.maximum(start, tl.max(tl.where(k <= owner, _clamped_cu(cu_ptr, k, B, N), 0), 0))
+    return owner, start
+
+
+@triton.jit
+def _tree_bounds(cu_ptr, b, B, N, BLOCK_B: tl.constexpr):
+    """(cu'[b], cu'[b + 1]): request b's nodes (prefix maxima of the clamped offsets)."""
+    start = tl.zeros([], tl.int64)
+    end = tl.zeros([], tl.int64)
+    for k0 in range(0, b + 2, BLOCK_B):
+        k = k0 + tl.arange(0, BLOCK_B)
+        c = _clamped_cu(cu_ptr, k, B, N)
+        start = tl.maximum(start, tl.max(tl.where(k <= b, c, 0), 0))
+        end = tl.maximum(end, tl.max(tl.where(k <= b + 1, c, 0), 0))
+    return start, end
+
+
+@triton.jit
+def _fold_row(gathered_ptr, row, N, W, S, inv_t, vocab_size, WS_PAD: tl.constexpr):
+    """Global (max, sum of exp((l - max) * inv_t), argmax or -1) of node row ``row`` from the
+    W x S segment partials of collective 1 (the chain's fold, for one row)."""
+    ws = tl.arange(0, WS_PAD)
+    ok = ws < W * S
+    ptr = gathered_ptr + ((ws // S).to(tl.int64) * N + row) * (3 * S + 2) + 3 * (ws % S)
+    g_max = tl.load(ptr, mask=ok, other=float("-inf"))
+    g_sum = tl.load(ptr + 1, mask=ok, other=0.0)
+    g_am = tl.load(ptr + 2, mask=ok, other=0.0)
+    row_max = tl.max(g_max, 0)
+    shift = tl.where(row_max > float("-inf"), row_max, 0.0)
+    live = g_max > float("-inf")
+    row_sum = tl.sum(tl.where(live, g_sum * tl.exp((g_max - shift) * inv_t), 0.0), 0)
+    argmax = tl.min(tl.where(live & (g_max == row_max), g_am, vocab_size * 1.0), 0).to(tl.int64)
+    return row_max, row_sum, tl.where(row_max > float("-inf"), argmax, -1)
+
+
+@triton.jit
+def _children_tile(tokens_ptr, parents_ptr, v, start, end, t0, vocab_size, NODE_TILE: tl.constexpr):
+    """Nodes j = v + 1 + t0 + (0 .. NODE_TILE-1) of v's request: (j, token, tested child of v)."""
+    j = v + 1 + t0 + tl.arange(0, NODE_TILE)
+    ok = j < end
+    par = tl.load(parents_ptr + j, mask=ok, other=-1).to(tl.int64)
+    x = tl.load(tokens_ptr + j, mask=ok, other=-1).to(tl.int64)
+    kid = ok & (par >= 0) & (par == v - start) & (x >= 0) & (x < vocab_size)  # (par < j - start as v < j)
+    return j, x, kid
+
+
+@triton.jit
+def _residual_coeffs(mass_ptr, v, N, k, rounds):
+    """(a_k, N_k) of row v at k (any shape, 0 <= k <= rounds + 1) from the all-reduced masses
+    mass[r - 1, v] = N_r: a_0 = 0, a_1 = 1, a_{r+1} = a_r + N_r (float32, in the torch path's
+    order), N_0 = 1."""
+    a_k = tl.where(k >= 1, 1.0, 0.0)
+    n_k = tl.where(k >= 0, 1.0, 1.0)
+    a = tl.full([], 1.0, tl.float32)
+    for r in range(1, rounds + 1):
+        n_r = tl.load(mass_ptr + (r - 1) * N + v)
+        n_k = tl.where(k == r, n_r, n_k)
+        a = a + n_r
+        a_k = tl.where(k == r + 1, a, a_k)
+    return a_k, n_k
+
+
+@triton.jit
+def _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, v, start, end, active, N, W, S, rounds,
+                   vocab_size, inv_t, greedy, seed, offset, HAS_PROBS: tl.constexpr, WS_PAD: tl.constexpr,
+                   W_PAD: tl.constexpr, NODE_TILE: tl.constexpr):
+    """Node v's children in index order (``active`` False: none): (first accepted child or N,
+    number of tested children, v's row max, sum, argmax). A child's test needs only its earlier
+    siblings (docs/ALGORITHM.md §5): with draft probabilities the residual coefficients after
+    as many rejections, without them the mass of the earlier distinct tokens (a repeat of an
+    earlier sibling's token is rejected)."""
+    m, s, am = _fold_row(gathered_ptr, tl.minimum(v, N - 1), N, W, S, inv_t, vocab_size, WS_PAD)
+    shift = tl.where(m > float("-inf"), m, 0.0)
+    first = tl.zeros([], tl.int64) + N
+    count = tl.zeros([], tl.int64)
+    q_before = tl.zeros([], tl.float64)  # q of the earlier distinct siblings (float64, as the torch path)
+    n_after = tl.where(active, end - v - 1, 0).to(tl.int32)
+    w = tl.arange(0, W_PAD)
+    for t0 in range(0, n_after, NODE_TILE):
+        j, x, kid = _children_tile(tokens_ptr, parents_ptr, v, start, end, t0, vocab_size, NODE_TILE)
+        # l_v(x), p_v(x): on the rank that holds x, -inf on the others
+        okw = (w[:, None] < W) & kid[None, :]
+        ptr = gathered_ptr + (w[:, None].to(tl.int64) * N + j[None, :]) * (3 * S + 2) + 3 * S
+        lx = tl.max(tl.load(ptr, mask=okw, other=float("-inf")), 0)
+        has_q = tl.where(m > float("-inf"), kid & (lx > float("-inf")), False)  # (scalar & vector trips the interpreter)
+        q_x = tl.where(has_q, tl.exp((lx - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
+        loc = (j - start).to(tl.int32)
+        a0, _ = _philox_words(seed, offset, _ACCEPT, loc, loc * 0)
+        u = _uniform(a0)
+        kid_n = kid.to(tl.int64)
+        if HAS_PROBS:
+            px = tl.max(tl.load(ptr + 1, mask=okw, other=float("-inf")), 0)
+            rank = tl.minimum(count + tl.cumsum(kid_n, 0) - kid_n, rounds)  # earlier tested siblings
+            a_c, n_c = _residual_coeffs(mass_ptr, v, N, rank, rounds)
+            d = q_x - a_c * px
+            accept_random = u * px * n_c < tl.where(d < 0, 0.0, d)  # (clamp(min=0) keeps NaN: no accept)
+        else:
+            k = tl.arange(0, NODE_TILE)
+            dup = tl.max(((x[:, None] == x[None, :]) & kid[None, :] & (k[None, :] < k[:, None])).to(tl.int32), 1) > 0
+            for e0 in range(0, t0, NODE_TILE):  # earlier tiles
+                _, xe, kid_e = _children_tile(tokens_ptr, parents_ptr, v, start, end, e0, vocab_size, NODE_TILE)
+                dup = dup | (tl.max(((x[:, None] == xe[None, :]) & kid_e[None, :]).to(tl.int32), 1) > 0)
+            val = tl.where(kid & ~dup, q_x, 0.0).to(tl.float64)
+            excluded = q_before + (tl.cumsum(val, 0) - val)
+            q_before += tl.sum(val, 0)
+            accept_random = (u * (1.0 - excluded).to(tl.float32) < q_x) & ~dup
+        accept = kid & tl.where(greedy, x == am, accept_random)
+        first = tl.minimum(first, tl.min(tl.where(accept, j, N), 0))
+        count += tl.sum(kid_n, 0)
+    return first, count, m, s, am
+
+
+@triton.jit
+def _tree_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr, cu_ptr,
+                             temperature_ptr, stats_ptr, B, N, S, seg, lo, n_cols, vocab_size,
+                             HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, BLOCK_B: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """Program (i, s): segment s of node row i on this shard -> stats[i, 3s : 3s+3] = (max, sum
+    of exp((l - max) / T), first argmax as a global id, vocab_size: none), T of i's request.
+    Program s = 0 also writes stats[i, 3S : 3S+2] = (l(x_i), p(x_i)) in the parent's row, -inf
+    unless node i is a tested child whose token lies in this shard (the chain's layout)."""
+    i = tl.program_id(0)
+    sg = tl.program_id(1)
+    owner, start = _tree_owner(cu_ptr, i, B, N, BLOCK_B)
+    inv_t, _ = _inv_temperature(temperature_ptr, tl.minimum(owner, B - 1), HAS_TEMP)
+    col0 = sg * seg
+    count = tl.minimum(tl.maximum(n_cols - col0, 0), seg)
+    m, total, arg = _shard_row_stats(logits_ptr + i.to(tl.int64) * l_stride + col0, count, inv_t, BLOCK)
+    arg = tl.where(m > float("-inf"), arg + lo + col0, vocab_size)
+    out = stats_ptr + i.to(tl.int64) * (3 * S + 2)
+    tl.store(out + 3 * sg, m)
+    tl.store(out + 3 * sg + 1, total)
+    tl.store(out + 3 * sg + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
+    if sg == 0:
+        loc = i - start
+        par = tl.load(parents_ptr + i).to(tl.int64)
+        x = tl.load(tokens_ptr + i).to(tl.int64)
+        kid = (loc > 0) & (par >= 0) & (par < loc) & (owner < B) & (x >= 0) & (x < vocab_size)
+        mine = kid & (x >= lo) & (x < lo + n_cols)
+        prow = tl.where(kid, start + par, 0)
+        col = tl.where(mine, x - lo, 0)
+        l_x = tl.load(logits_ptr + prow * l_stride + col, mask=mine, other=0.0).to(tl.float32)
+        tl.store(out + 3 * S, tl.where(mine, _sanitize(l_x), float("-inf")))
+        if HAS_PROBS:
+            p_x = tl.load(draft_probs_ptr + prow * p_stride + col, mask=mine, other=0.0).to(tl.float32)
+            tl.store(out + 3 * S + 1, tl.where(mine, p_x, float("-inf")))
+        else:
+            tl.store(out + 3 * S + 1, float("-inf"))
+
+
+@triton.jit
+def _tree_residual_mass_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr, cu_ptr,
+                               temperature_ptr, gathered_ptr, mass_ptr, B, N, W, S, j_round, n_cols, vocab_size,
+                               HAS_TEMP: tl.constexpr, WS_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+                               NODE_TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program v, round j: mass[j - 1, v] = this shard's part of N_j = sum_x (q(x) - a_j p(x))+
+    over node row v (q from the global statistics, a_j from the earlier rounds' all-reduced
+    masses); rows with at most j tested children read nothing (their N_j is never used)."""
+    v = tl.program_id(0)
+    owner, start = _tree_owner(cu_ptr, v, B, N, BLOCK_B)
+    b = tl.minimum(owner, B - 1)
+    _, end = _tree_bounds(cu_ptr, b, B, N, BLOCK_B)
+    n_after = tl.where(owner < B, end - v - 1, 0).to(tl.int32)
+    count = tl.zeros([], tl.int32)
+    for t0 in range(0, n_after, NODE_TILE):
+        _, _, kid = _children_tile(tokens_ptr, parents_ptr, v, start, end, t0, vocab_size, NODE_TILE)
+        count += tl.sum(kid.to(tl.int32), 0)
+    inv_t, _ = _inv_temperature(temperature_ptr, b, HAS_TEMP)
+    m, s, _ = _fold_row(gathered_ptr, v, N, W, S, inv_t, vocab_size, WS_PAD)
+    a, _ = _residual_coeffs(mass_ptr, v, N, j_round, j_round - 1)
+    shift = tl.where(m > float("-inf"), m, 0.0)
+    total = tl.maximum(s, _TINY)
+    n = tl.where(count > j_round, n_cols, 0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, n, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        x = _sanitize(tl.load(logits_ptr + v.to(tl.int64) * l_stride + cols, mask=cols < n,
+                              other=float("-inf")).to(tl.float32))
+        p = tl.load(draft_probs_ptr + v.to(tl.int64) * p_stride + cols, mask=cols < n, other=0.0).to(tl.float32)
+        d = tl.exp((x - shift) * inv_t) / total - a * p
+        acc += tl.where(d < 0, 0.0, d)  # NaN propagates, as torch's clamp(min=0)
+    tl.store(mass_ptr + (j_round - 1) * N + v, tl.sum(acc, 0))
+
+
+@triton.jit
+def _tree_final_weights(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr, row, start, end,
+                        exclude, cols, ok, m, s, a, inv_t, lo, vocab_size, HAS_PROBS: tl.constexpr):
+    """(w, q) of the stop row ``row`` (-1: none) at the local columns ``cols``: q from the global
+    statistics; w = the residual (q - a p)+ (0 where q = 0, NaN -> 0) with draft probabilities,
+    else q without the tokens of the stop node's tested children (when ``exclude``)."""
+    ok = tl.where(row >= 0, ok, False)
+    r = tl.maximum(row, 0).to(tl.int64)
+    x = _sanitize(tl.load(logits_ptr + r * l_stride + cols, mask=ok, other=float("-inf")).to(tl.float32))
+    shift = tl.where(m > float("-inf"), m, 0.0)
+    q = tl.where(x > float("-inf"), tl.exp((x - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
+    if HAS_PROBS:
+        p = tl.load(draft_probs_ptr + r * p_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        d = q - a * p
+        w = tl.where((q > 0) & (d > 0), d, 0.0)
+    else:
+        w = q
+        n_after = tl.where(exclude & (row >= 0), end - row - 1, 0).to(tl.int32)
+        for k in range(0, n_after):  # a handful of children: one token each
+            j = row + 1 + k
+            par = tl.load(parents_ptr + j).to(tl.int64)
+            xj = tl.load(tokens_ptr + j).to(tl.int64)
+            kid = (par >= 0) & (par == row - start) & (xj >= 0) & (xj < vocab_size)
+            w = tl.where(tl.where(kid, cols == xj - lo, False), 0.0, w)
+    return w, q
+
+
+@triton.jit
+def _tree_final_totals_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr, cu_ptr,
+                              temperature_ptr, seeds_ptr, offsets_ptr, gathered_ptr, mass_ptr, totals_ptr, edges_ptr,
+                              state_i_ptr, state_f_ptr, out_ptr, path_ptr, num_acc_ptr,
+                              B, N, D, W, S, rounds, lo, n_cols, vocab_size, c_first, n_chunks,
+                              HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, WS_PAD: tl.constexpr,
+                              W_PAD: tl.constexpr, BLOCK_B: tl.constexpr, NODE_TILE: tl.constexpr,
+                              CHUNKS_PER_PROGRAM: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (b, j): request b's walk from its root (every program: at most D steps, each
+    testing the current node's children in order until one is accepted), then this shard's
+    part of global chunks c_first + j*CHUNKS_PER_PROGRAM + (0..) of the stop row:
+    totals[b, c] = sum of w, totals[B + b, c] = sum of q (the fallback, sampled with the same
+    noise), and the edge rows of collective 2. Program j = 0 also writes the output rows
+    (accepted tokens, accepted nodes, -1), num_accepted and the state of the later kernels:
+    state_i[b] = (stop node's local index (the Philox node), stop row or -1, depth, exclude the
+    stop's children, has a root, stop row's argmax, request end, 0), state_f[b] = (max, sum, a)."""
+    b = tl.program_id(0)
+    jp = tl.program_id(1)
+    write = jp == 0
+    inv_t, greedy = _inv_temperature(temperature_ptr, b, HAS_TEMP)
+    start, end = _tree_bounds(cu_ptr, b, B, N, BLOCK_B)
+    has_root = end > start
+    seed = tl.load(seeds_ptr + b).to(tl.int64)
+    offset = tl.load(offsets_ptr + b).to(tl.int64)
+    node = start
+    moving = has_root
+    depth = tl.zeros([], tl.int64)
+    n_kids = tl.zeros([], tl.int64)  # tested children of the stop node (where the walk stopped early)
+    out_row = out_ptr + b.to(tl.int64) * (D + 1)
+    path_row = path_ptr + b.to(tl.int64) * (D + 1)
+    tl.store(path_row, tl.where(has_root, 0, -1).to(tl.int32), mask=write)
+    tl.store(out_row + D, -1, mask=write)
+    for step in range(D):
+        nxt, cnt, _, _, _ = _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, node, start, end, moving,
+                                           N, W, S, rounds, vocab_size, inv_t, greedy, seed, offset,
+                                           HAS_PROBS, WS_PAD, W_PAD, NODE_TILE)
+        move = moving & (nxt < N)
+        n_kids = tl.where(moving & ~move, cnt, n_kids)
+        x = tl.load(tokens_ptr + tl.where(move, nxt, 0), mask=move, other=-1).to(tl.int32)
+        tl.store(out_row + step, tl.where(move, x, -1), mask=write)
+        tl.store(path_row + step + 1, tl.where(move, nxt - start, -1).to(tl.int32), mask=write)
+        node = tl.where(move, nxt, node)
+        depth += move.to(tl.int64)
+        moving = move
+    limited = depth >= D  # children not tested: the residual is q itself
+    row = tl.where(has_root, node, -1)
+    m, s, am = _fold_row(gathered_ptr, tl.where(has_root, node, N - 1), N, W, S, inv_t, vocab_size, WS_PAD)
+    if HAS_PROBS:
+        a_k, _ = _residual_coeffs(mass_ptr, tl.where(has_root, node, 0), N, tl.minimum(n_kids, rounds + 1), rounds)
+        a = tl.where(limited, 0.0, a_k)
+    else:
+        a = tl.zeros([], tl.float32)
+    if write:
+        si = state_i_ptr + b * 8
+        tl.store(si, tl.where(has_root, node - start, 0))
+        tl.store(si + 1, row)
+        tl.store(si + 2, depth)
+        tl.store(si + 3, (~limited).to(tl.int64))
+        tl.store(si + 4, has_root.to(tl.int64))
+        tl.store(si + 5, am)
+        tl.store(si + 6, end)
+        tl.store(si + 7, start)
+        tl.store(state_f_ptr + b * 3, m)
+        tl.store(state_f_ptr + b * 3 + 1, s)
+        tl.store(state_f_ptr + b * 3 + 2, a)
+        tl.store(num_acc_ptr + b, depth.to(tl.int32))
+    c = jp * CHUNKS_PER_PROGRAM + tl.arange(0, CHUNKS_PER_PROGRAM)
+    cols = (c_first + c[:, None]) * CHUNK - lo + tl.arange(0, CHUNK)[None, :]
+    ok = (cols >= 0) & (cols < n_cols) & (c[:, None] < n_chunks)
+    w, q = _tree_final_weights(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr, row, start,
+                               end, ~limited, cols, ok, m, s, a, inv_t, lo, vocab_size, HAS_PROBS)
+    in_range = c < n_chunks
+    tot_w = _clean_sum(w, 1)
+    tl.store(totals_ptr + b.to(tl.int64) * n_chunks + c, tot_w, mask=in_range)
+    _store_edges(edges_ptr + b * 5, tot_w, c, jp, c_first, n_chunks)
+    tot_q = _clean_sum(q, 1)
+    tl.store(totals_ptr + (B + b).to(tl.int64) * n_chunks + c, tot_q, mask=in_range)
+    _store_edges(edges_ptr + (B + b) * 5, tot_q, c, jp, c_first, n_chunks)
+
+
+@triton.jit
+def _tree_chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr,
+                            temperature_ptr, seeds_ptr, offsets_ptr, totals_ptr, edges_ptr, race_ptr, state_i_ptr,
+                            state_f_ptr, picks_ptr, B, W, my_rank, lo, hi, c_first, n_chunks, vocab_size,
+                            HAS_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr, W_PAD: tl.constexpr,
+                            CHUNK: tl.constexpr):
+    """``_chunk_pick_kernel`` for the trees' stop rows (rows B.. are their q rows)."""
+    r = tl.program_id(0)
+    B2 = tl.num_programs(0)
+    b = r % B
+    winner, found, in_shard, win_total, before = _race_winner(totals_ptr, edges_ptr, race_ptr, r, B2, W, my_rank,
+                                                              c_first, n_chunks, W_PAD)
+    si = state_i_ptr + b * 8
+    seed = tl.load(seeds_ptr + b).to(tl.int64)
+    offset = tl.load(offsets_ptr + b).to(tl.int64)
+    w0, _ = _philox_words(seed, offset, _SAMPLE, tl.load(si).to(tl.int32), winner.to(tl.int32))
+    threshold = _uniform(w0) * win_total
+    gcol = winner * CHUNK + tl.arange(0, CHUNK)
+    valid = tl.where(in_shard, (gcol >= lo) & (gcol < hi), False)
+    inv_t, _ = _inv_temperature(temperature_ptr, b, HAS_TEMP)
+    cols = tl.where(valid, gcol - lo, 0)
+    wt, q = _tree_final_weights(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_ptr, parents_ptr,
+                                tl.load(si + 1), tl.load(si + 7), tl.load(si + 6), tl.load(si + 3) != 0, cols, valid,
+                                tl.load(state_f_ptr + b * 3), tl.load(state_f_ptr + b * 3 + 1),
+                                tl.load(state_f_ptr + b * 3 + 2), inv_t, lo, vocab_size, HAS_PROBS)
+    _store_pick(picks_ptr, r, tl.where(r >= B, q, wt), valid, gcol, before, threshold, vocab_size)
+
+
+@triton.jit
+def _tree_finish_kernel(picks_ptr, state_i_ptr, temperature_ptr, out_ptr, B, D, vocab_size,
+                        HAS_TEMP: tl.constexpr, BLOCK: tl.constexpr):
+    """Requests b: the token from the reduced picks, the q row's when the residual had no mass,
+    the stop row's argmax for greedy requests, -1 without a root; written at out[b, depth]."""
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = b < B
+    first = tl.load(picks_ptr + b * 2, mask=ok, other=0)
+    last = -tl.load(picks_ptr + b * 2 + 1, mask=ok, other=0)
+    token = tl.where(first < vocab_size, first, last)
+    first_q = tl.load(picks_ptr + (B + b) * 2, mask=ok, other=0)
+    last_q = -tl.load(picks_ptr + (B + b) * 2 + 1, mask=ok, other=0)
+    fallback = tl.where(first_q < vocab_size, first_q, last_q)
+    token = tl.where(token >= 0, token, tl.where(fallback >= 0, fallback, -1))
+    if HAS_TEMP:
+        greedy = ~(tl.load(temperature_ptr + b, mask=ok, other=1.0).to(tl.float32) > 0.0)
+        token = tl.where(greedy, tl.load(state_i_ptr + b * 8 + 5, mask=ok, other=-1), token)
+    token = tl.where(tl.load(state_i_ptr + b * 8 + 4, mask=ok, other=0) != 0, token, -1)
+    depth = tl.load(state_i_ptr + b * 8 + 2, mask=ok, other=0)
+    tl.store(out_ptr + b * (D + 1) + depth, token.to(tl.int32), mask=ok)
 
 
 # ---- launchers (one per kernel; tensors on one device, logits / probs with unit column stride) --
@@ -468,8 +853,8 @@ def chunk_race(totals, all_edges, state_i, seeds, offsets, my_rank: int, lo: int
     W = all_edges.shape[0]
     race = torch.empty(rows, 2, dtype=torch.float64, device=totals.device)
     _chunk_race_kernel[(rows,)](totals, all_edges, race, state_i, seeds, offsets, state_i.shape[0], W, my_rank,
-                                lo, hi, c_first, n_chunks, W_PAD=_pad(W), CHUNKS_PAD=_pad(n_chunks), CHUNK=CHUNK,
-                                num_warps=4)
+                                lo, hi, c_first, n_chunks, state_i.stride(0), W_PAD=_pad(W),
+                                CHUNKS_PAD=_pad(n_chunks), CHUNK=CHUNK, num_warps=4)
     return race
 
 
@@ -495,3 +880,84 @@ def chain_finish(picks, state_i, temperature, out, vocab_size: int) -> None:
     _chain_finish_kernel[(triton.cdiv(B, FINISH_BLOCK),)](
         picks, state_i, out if temperature is None else temperature, out, B, L1 - 1, vocab_size,
         HAS_PROBS=picks.shape[0] == 2 * B, HAS_TEMP=temperature is not None, BLOCK=FINISH_BLOCK, num_warps=4)
+
+
+# ---- tree launchers --------------------------------------------------------------------------
+
+def _tree_common(logits, draft_probs, temperature):
+    """(probs pointer, its row stride, temperature pointer, HAS_PROBS, HAS_TEMP): a tensor stands
+    in for an absent argument (never read)."""
+    has_probs = draft_probs is not None
+    return (draft_probs if has_probs else logits, draft_probs.stride(0) if has_probs else 0,
+            logits if temperature is None else temperature, has_probs, temperature is not None)
+
+
+def tree_local_stats(logits, draft_probs, tokens, parents, cu, temperature, lo: int, vocab_size: int, S: int):
+    """[N, 3 S + 2] float32: collective 1's payload (``_tree_local_stats_kernel``)."""
+    N, n_cols = logits.shape
+    probs, p_stride, temp, has_probs, has_temp = _tree_common(logits, draft_probs, temperature)
+    stats = torch.empty(N, 3 * S + 2, dtype=torch.float32, device=logits.device)
+    seg = triton.cdiv(triton.cdiv(max(n_cols, 1), S), BLOCK) * BLOCK
+    _tree_local_stats_kernel[(N, S)](
+        logits, logits.stride(0), probs, p_stride, tokens, parents, cu, temp, stats, cu.shape[0] - 1, N, S, seg, lo,
+        n_cols, vocab_size, HAS_PROBS=has_probs, HAS_TEMP=has_temp, BLOCK_B=BLOCK_B, BLOCK=BLOCK, num_warps=4)
+    return stats
+
+
+def tree_residual_mass(logits, draft_probs, tokens, parents, cu, temperature, gathered, mass, j: int,
+                       vocab_size: int) -> None:
+    """Writes this shard's part of round j's residual masses into mass[j - 1] (``mass`` [rounds, N])."""
+    N, n_cols = logits.shape
+    _, _, temp, _, has_temp = _tree_common(logits, draft_probs, temperature)
+    W, S = gathered.shape[0], (gathered.shape[-1] - 2) // 3
+    _tree_residual_mass_kernel[(N,)](
+        logits, logits.stride(0), draft_probs, draft_probs.stride(0), tokens, parents, cu, temp, gathered, mass,
+        cu.shape[0] - 1, N, W, S, j, n_cols, vocab_size, HAS_TEMP=has_temp, WS_PAD=_pad(W * S), BLOCK_B=BLOCK_B,
+        NODE_TILE=NODE_TILE, BLOCK=BLOCK, num_warps=4)
+
+
+def tree_final_totals(logits, draft_probs, tokens, parents, cu, temperature, seeds, offsets, gathered, mass,
+                      rounds: int, D: int, lo: int, vocab_size: int, c_first: int, n_chunks: int):
+    """(totals [2B, n_chunks], edges [2B, 5] float32, state_i [B, 8] int64, state_f [B, 3]
+    float32, out [B, D+1] int32 without the final tokens, accepted nodes [B, D+1] int32,
+    num_accepted [B] int32)."""
+    N, n_cols = logits.shape
+    B = cu.shape[0] - 1
+    W, S = gathered.shape[0], (gathered.shape[-1] - 2) // 3
+    probs, p_stride, temp, has_probs, has_temp = _tree_common(logits, draft_probs, temperature)
+    dev = logits.device
+    totals = torch.empty(2 * B, n_chunks, dtype=torch.float32, device=dev)
+    edges = torch.empty(2 * B, 5, dtype=torch.float32, device=dev)
+    state_i = torch.empty(B, 8, dtype=torch.int64, device=dev)
+    state_f = torch.empty(B, 3, dtype=torch.float32, device=dev)
+    out = torch.empty(B, D + 1, dtype=torch.int32, device=dev)
+    path = torch.empty(B, D + 1, dtype=torch.int32, device=dev)
+    num_acc = torch.empty(B, dtype=torch.int32, device=dev)
+    grid = (B, triton.cdiv(max(n_chunks, 1), CHUNKS_PER_PROGRAM))  # program j = 0 always runs
+    _tree_final_totals_kernel[grid](
+        logits, logits.stride(0), probs, p_stride, tokens, parents, cu, temp, seeds, offsets, gathered, mass, totals,
+        edges, state_i, state_f, out, path, num_acc, B, N, D, W, S, rounds, lo, n_cols, vocab_size, c_first, n_chunks,
+        HAS_PROBS=has_probs, HAS_TEMP=has_temp, WS_PAD=_pad(W * S), W_PAD=_pad(W), BLOCK_B=BLOCK_B,
+        NODE_TILE=NODE_TILE, CHUNKS_PER_PROGRAM=CHUNKS_PER_PROGRAM, CHUNK=CHUNK, num_warps=4)
+    return totals, edges, state_i, state_f, out, path, num_acc
+
+
+def tree_chunk_pick(logits, draft_probs, tokens, parents, temperature, seeds, offsets, totals, all_edges, all_race,
+                    state_i, state_f, my_rank: int, lo: int, hi: int, c_first: int, vocab_size: int):
+    """picks [2B, 2] int64: collective 4's payload (``_tree_chunk_pick_kernel``)."""
+    rows, n_chunks = totals.shape
+    probs, p_stride, temp, has_probs, has_temp = _tree_common(logits, draft_probs, temperature)
+    picks = torch.empty(rows, 2, dtype=torch.int64, device=totals.device)
+    _tree_chunk_pick_kernel[(rows,)](
+        logits, logits.stride(0), probs, p_stride, tokens, parents, temp, seeds, offsets, totals, all_edges, all_race,
+        state_i, state_f, picks, state_i.shape[0], all_edges.shape[0], my_rank, lo, hi, c_first, n_chunks, vocab_size,
+        HAS_PROBS=has_probs, HAS_TEMP=has_temp, W_PAD=_pad(all_edges.shape[0]), CHUNK=CHUNK, num_warps=4)
+    return picks
+
+
+def tree_finish(picks, state_i, temperature, out, vocab_size: int) -> None:
+    """Writes the final tokens into ``out`` [B, D+1]."""
+    B, D1 = out.shape
+    _tree_finish_kernel[(triton.cdiv(B, FINISH_BLOCK),)](
+        picks, state_i, out if temperature is None else temperature, out, B, D1 - 1, vocab_size,
+        HAS_TEMP=temperature is not None, BLOCK=FINISH_BLOCK, num_warps=4)
