@@ -33,9 +33,16 @@ Local work:
   and chunk race | in-chunk inverse CDF | the final token -- and no other kernel (output
   buffers aside). $SPECDEC_VP_TRITON=1 forces this path on CPU tensors (in Triton's
   interpreter, TRITON_INTERPRET=1: the tests), =0 selects the torch path everywhere;
-- tree op, CUDA tensors: a few Triton launches (row statistics, residual masses, per-chunk
-  sums of the final rows' weights, the Philox draws) plus small vectorized PyTorch;
-- CPU tensors (gloo), or float64: vectorized PyTorch, the same arithmetic.
+- tree op, CUDA tensors: the same five fused launches (``triton_vocab_parallel``) -- row
+  statistics and the children's values | the walk (every program repeats it from the
+  gathered numbers), the stop row and per-chunk sums of its weights | race | pick | final
+  token -- plus one launch before each residual-mass all_reduce (draft probabilities);
+  $SPECDEC_VP_TRITON as for chains;
+- CPU tensors (gloo), float64, or logits / draft probabilities with a non-unit column stride:
+  vectorized PyTorch, the same arithmetic (on CUDA tensors its Philox draws are one Triton
+  launch, ``_philox01_kernel``; the older row statistics / residual mass / chunk totals
+  kernels below need unit strides, which now take the fused path: only their own test
+  reaches them).
 
 NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths (``max_spec_len``
 / ``max_depth``, ``max_children``) and the seeds are given; CUDA-graph capturable.

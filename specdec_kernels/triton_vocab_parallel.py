@@ -1,4 +1,5 @@
-"""Fused Triton kernels of the vocabulary-parallel chain verification (``distributed.py``).
+"""Fused Triton kernels of the vocabulary-parallel verification (``distributed.py``): chains,
+then trees.
 
 ``rejection_sample_vocab_parallel`` runs four collectives; between them the local work is
 one or two launches each (B requests, L = max_spec_len, W ranks, B' = 2B rows with draft
@@ -20,6 +21,28 @@ Every program that needs the accept decision of its request recomputes it from t
 gathered statistics (a few dozen numbers and L Philox draws), so no launch is spent on it.
 The arithmetic is the torch path's (``distributed.py``): the same formulas in float32, the
 race scores in float64, the same random streams, so the tokens are the same.
+
+``tree_rejection_sample_vocab_parallel`` (N nodes, D = max_depth, R = max_children - 1
+residual rounds with draft probabilities, else 0) runs the same collectives with 2B final
+rows (the stop rows' residuals, then their q as the fallback), sharing the race:
+
+    _tree_local_stats_kernel      (N x S)             row max / sum / argmax of S segments of
+                                                      every node row, each child's l(x), p(x)
+                                                      in its parent's row
+    -- all_gather 1: [W, N, 3S+2] --
+    _tree_residual_mass_kernel    (N), R times        this shard's N_j of the rows with more than
+      -- all_reduce(SUM) 1b: [N] --                  j children, a_j from the earlier rounds
+    _tree_final_totals_kernel     (B x chunk groups)  the walk (each node's children tested in
+                                                      order), the stop row, per-chunk sums
+    -- all_gather 2: [W, 2B, 5] --
+    _chunk_race_kernel            (2B programs)
+    -- all_gather 3: [W, 2B, 2] --
+    _tree_chunk_pick_kernel       (2B programs)
+    -- all_reduce(MIN) 4: [2B, 2] --
+    _tree_finish_kernel           (cdiv(B, 128))
+
+The walk costs each program at most D node scans of a few dozen numbers per child, which is
+why it is repeated instead of stored: no launch between collectives 1 and 2.
 """
 from __future__ import annotations
 
@@ -536,7 +559,7 @@ def _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, v, start, en
         has_q = tl.where(m > float("-inf"), kid & (lx > float("-inf")), False)  # (scalar & vector trips the interpreter)
         q_x = tl.where(has_q, tl.exp((lx - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
         loc = (j - start).to(tl.int32)
-        a0, _ = _philox_words(seed, offset, _ACCEPT, loc, loc * 0)
+        a0, _a1 = _philox_words(seed, offset, _ACCEPT, loc, loc * 0)
         u = _uniform(a0)
         kid_n = kid.to(tl.int64)
         if HAS_PROBS:
@@ -549,7 +572,7 @@ def _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, v, start, en
             k = tl.arange(0, NODE_TILE)
             dup = tl.max(((x[:, None] == x[None, :]) & kid[None, :] & (k[None, :] < k[:, None])).to(tl.int32), 1) > 0
             for e0 in range(0, t0, NODE_TILE):  # earlier tiles
-                _, xe, kid_e = _children_tile(tokens_ptr, parents_ptr, v, start, end, e0, vocab_size, NODE_TILE)
+                _je, xe, kid_e = _children_tile(tokens_ptr, parents_ptr, v, start, end, e0, vocab_size, NODE_TILE)
                 dup = dup | (tl.max(((x[:, None] == xe[None, :]) & kid_e[None, :]).to(tl.int32), 1) > 0)
             val = tl.where(kid & ~dup, q_x, 0.0).to(tl.float64)
             excluded = q_before + (tl.cumsum(val, 0) - val)
@@ -614,22 +637,23 @@ def _tree_residual_mass_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, 
     n_after = tl.where(owner < B, end - v - 1, 0).to(tl.int32)
     count = tl.zeros([], tl.int32)
     for t0 in range(0, n_after, NODE_TILE):
-        _, _, kid = _children_tile(tokens_ptr, parents_ptr, v, start, end, t0, vocab_size, NODE_TILE)
+        _j, _x, kid = _children_tile(tokens_ptr, parents_ptr, v, start, end, t0, vocab_size, NODE_TILE)
         count += tl.sum(kid.to(tl.int32), 0)
-    inv_t, _ = _inv_temperature(temperature_ptr, b, HAS_TEMP)
-    m, s, _ = _fold_row(gathered_ptr, v, N, W, S, inv_t, vocab_size, WS_PAD)
-    a, _ = _residual_coeffs(mass_ptr, v, N, j_round, j_round - 1)
-    shift = tl.where(m > float("-inf"), m, 0.0)
-    total = tl.maximum(s, _TINY)
-    n = tl.where(count > j_round, n_cols, 0)
     acc = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, n, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        x = _sanitize(tl.load(logits_ptr + v.to(tl.int64) * l_stride + cols, mask=cols < n,
-                              other=float("-inf")).to(tl.float32))
-        p = tl.load(draft_probs_ptr + v.to(tl.int64) * p_stride + cols, mask=cols < n, other=0.0).to(tl.float32)
-        d = tl.exp((x - shift) * inv_t) / total - a * p
-        acc += tl.where(d < 0, 0.0, d)  # NaN propagates, as torch's clamp(min=0)
+    if count > j_round:
+        inv_t, _greedy = _inv_temperature(temperature_ptr, b, HAS_TEMP)
+        m, s, _am = _fold_row(gathered_ptr, v, N, W, S, inv_t, vocab_size, WS_PAD)
+        a, _n = _residual_coeffs(mass_ptr, v, N, j_round, j_round - 1)
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.maximum(s, _TINY)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            x = _sanitize(tl.load(logits_ptr + v.to(tl.int64) * l_stride + cols, mask=cols < n_cols,
+                                  other=float("-inf")).to(tl.float32))
+            p = tl.load(draft_probs_ptr + v.to(tl.int64) * p_stride + cols, mask=cols < n_cols,
+                        other=0.0).to(tl.float32)
+            d = tl.exp((x - shift) * inv_t) / total - a * p
+            acc += tl.where(d < 0, 0.0, d)  # NaN propagates, as torch's clamp(min=0)
     tl.store(mass_ptr + (j_round - 1) * N + v, tl.sum(acc, 0))
 
 
@@ -693,9 +717,12 @@ def _tree_final_totals_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, t
     tl.store(path_row, tl.where(has_root, 0, -1).to(tl.int32), mask=write)
     tl.store(out_row + D, -1, mask=write)
     for step in range(D):
-        nxt, cnt, _, _, _ = _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, node, start, end, moving,
-                                           N, W, S, rounds, vocab_size, inv_t, greedy, seed, offset,
-                                           HAS_PROBS, WS_PAD, W_PAD, NODE_TILE)
+        nxt = tl.zeros([], tl.int64) + N
+        cnt = tl.zeros([], tl.int64)
+        if moving:  # a walk that stopped stays: its node has no accepted child
+            nxt, cnt, _m, _s, _am = _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, node, start, end,
+                                                   moving, N, W, S, rounds, vocab_size, inv_t, greedy, seed, offset,
+                                                   HAS_PROBS, WS_PAD, W_PAD, NODE_TILE)
         move = moving & (nxt < N)
         n_kids = tl.where(moving & ~move, cnt, n_kids)
         x = tl.load(tokens_ptr + tl.where(move, nxt, 0), mask=move, other=-1).to(tl.int32)
