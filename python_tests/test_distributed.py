@@ -50,13 +50,11 @@ def _chain_call(rank, world, case_index):
         temp, seeds, offs, k, vocab_start=lo, vocab_size=vocab)
 
 
-# Without a GPU, conftest runs Triton in its interpreter: every chain case runs twice, on the
-# fused Triton path that CUDA tensors take (forced on these CPU tensors with
-# SPECDEC_VP_TRITON=1) and on the torch path (SPECDEC_VP_TRITON=0); these tree cases take the
-# Triton paths of the tree op (fused Philox, row statistics, residual masses), the others its
-# torch paths. The interpreter is slow: small shapes only.
-TRITON_TREE_CASES = {(2, 0), (2, 2), (2, 4), (3, 1), (3, 3)}
-CHAIN_PATHS = ("triton", "torch") if TRITON_ON_CPU else ("torch",)
+# Without a GPU, conftest runs Triton in its interpreter: every chain and tree case runs twice,
+# on the fused Triton path that CUDA tensors take (forced on these CPU tensors with
+# SPECDEC_VP_TRITON=1) and on the torch path (SPECDEC_VP_TRITON=0). The interpreter is slow:
+# small shapes only.
+PATHS = ("triton", "torch") if TRITON_ON_CPU else ("torch",)
 
 
 def _select_path(triton_path: bool) -> None:
@@ -100,7 +98,7 @@ def _chain_edge_calls(rank, world):
         logits, ids, cu, p, temp, seeds, offs, k = _chain_edge_batch(i)
         lo, hi = ((bounds or {}).get(world) or _shard_bounds(vocab, world))[rank]
         per_path = {}
-        for path in CHAIN_PATHS:
+        for path in PATHS:
             _select_path(path == "triton")
             if seeds is None:
                 torch.manual_seed(5)  # rank 0 draws the seeds: the same on both paths
@@ -130,17 +128,26 @@ def _worker(rank, world, init_file, out_dir):
     chain = {}
     for i, case in enumerate(CASES):
         if case[0] == world:
-            for path in CHAIN_PATHS:
+            for path in PATHS:
                 _select_path(path == "triton")
                 chain[i, path] = _chain_call(rank, world, i)
     edges = _chain_edge_calls(rank, world)
     # every chain call of the Triton path took the fused kernels
     n_chain = sum(case[0] == world for case in CASES) + len(CHAIN_EDGE_CASES)
-    assert len(calls) == (n_chain if "triton" in CHAIN_PATHS else 0), (len(calls), n_chain)
+    assert len(calls) == (n_chain if "triton" in PATHS else 0), (len(calls), n_chain)
     distributed._chain_fused = fused
+    tree_fused = distributed._tree_fused
+    calls.clear()
+    distributed._tree_fused = lambda *a, **k: calls.append(1) or tree_fused(*a, **k)
     tree = _tree_calls(rank, world)
     residual = _residual_call(rank, world)
-    torch.save((chain, tree, residual, edges), os.path.join(out_dir, f"rank{rank}.pt"))
+    tree_edges = _tree_edge_calls(rank, world)
+    # every float32 tree call of the Triton path with nodes took the fused kernels
+    n_tree = (sum(case[4] == torch.float32 for case in TREE_CASES[world]) + 2
+              + sum("N0" not in case[-1] for case in TREE_EDGE_CASES))
+    assert len(calls) == (n_tree if "triton" in PATHS else 0), (len(calls), n_tree)
+    distributed._tree_fused = tree_fused
+    torch.save((chain, tree, residual, edges, tree_edges), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -158,7 +165,7 @@ def _results(world):
     return _SPAWNED[world]
 
 
-@pytest.mark.parametrize("path", CHAIN_PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case_index", range(len(CASES)))
 def test_vocab_parallel_equals_single_device(case_index, path):
     world, vocab, probs, batch = CASES[case_index]
@@ -179,13 +186,13 @@ def test_vocab_parallel_equals_single_device(case_index, path):
 def test_vocab_parallel_chain_edge_cases(world, edge_index):
     """Empty and 1-entry shards, no temperatures / offsets / seeds / drafts, int32 ids, bf16
     logits, max_spec_len 0: both paths, every rank, the single-device op's tokens."""
-    per_rank = [edges[edge_index] for *_, edges in _results(world)]
+    per_rank = [edges[edge_index] for _, _, _, edges, _ in _results(world)]
     logits, ids, cu, p, temp, seeds, offs, k = _chain_edge_batch(edge_index)
     if seeds is None:
         torch.manual_seed(5)
         seeds = torch.randint(-(2**63), 2**63 - 1, (cu.shape[0] - 1,), dtype=torch.int64)
     ref_out, ref_num = specdec_kernels.rejection_sample(logits, ids, cu, p, temp, seeds, offs, k, backend="reference")
-    for path in CHAIN_PATHS:
+    for path in PATHS:
         out, num = per_rank[0][path]
         for other in per_rank[1:]:
             assert torch.equal(other[path][0], out) and torch.equal(other[path][1], num), f"{path}: ranks disagree"
@@ -267,40 +274,158 @@ def _max_children(parents, cu):
     return max(counts.values(), default=0)
 
 
+# The interpreter runs the fused path on the first TRITON_TREE_REQUESTS requests of each tree
+# batch (requests are independent: the same outputs as those rows of the whole batch).
+TRITON_TREE_REQUESTS = 12
+
+
+def _first_requests(batch, k):
+    """The tree batch (logits, tokens, parents, cu, probs, temperature, seeds, offsets) cut to
+    its first k requests (well-formed offsets only)."""
+    logits, tokens, parents, cu, p, temp, seeds, offs = batch
+    n = int(cu[k])
+    return (logits[:n], tokens[:n], parents[:n], cu[:k + 1], None if p is None else p[:n],
+            None if temp is None else temp[:k], None if seeds is None else seeds[:k], None if offs is None else offs[:k])
+
+
 def _tree_calls(rank, world):
-    results = []
+    """{(case, path): outputs}; case "seeds": seeds drawn inside (rank 0 broadcasts them, after
+    the same manual_seed on both paths)."""
+    results = {}
     for i, (vocab, probs, depth, bounds, dtype, pass_max_children, bushy) in enumerate(TREE_CASES[world]):
-        _select_path((world, i) in TRITON_TREE_CASES)
-        logits, tokens, parents, cu, p, temp, seeds, offs = _tree_batch(vocab, probs, seed=10 * world + i,
-                                                                        bushy=bushy)
+        batch = _tree_batch(vocab, probs, seed=10 * world + i, bushy=bushy)
         lo, hi = (bounds or _shard_bounds(vocab, world))[rank]
-        results.append(tree_rejection_sample_vocab_parallel(
-            logits[:, lo:hi].contiguous(), tokens, parents, cu, None if p is None else p[:, lo:hi].contiguous(),
-            temp, seeds, offs, depth, vocab_start=lo, vocab_size=vocab, compute_dtype=dtype,
-            max_children=_max_children(parents, cu) if pass_max_children else None))
-    # Seeds drawn inside (rank 0 broadcasts them): still identical on every rank.
-    _select_path(False)
-    logits, tokens, parents, cu, p, temp, _, _ = _tree_batch(100, True, seed=7)
+        for path in PATHS:
+            _select_path(path == "triton")
+            cut = _first_requests(batch, TRITON_TREE_REQUESTS) if path == "triton" else batch
+            logits, tokens, parents, cu, p, temp, seeds, offs = cut
+            results[i, path] = tree_rejection_sample_vocab_parallel(
+                logits[:, lo:hi].contiguous(), tokens, parents, cu, None if p is None else p[:, lo:hi].contiguous(),
+                temp, seeds, offs, depth, vocab_start=lo, vocab_size=vocab, compute_dtype=dtype,
+                max_children=_max_children(parents, cu) if pass_max_children else None)
+    batch = _tree_batch(100, True, seed=7, batch=TRITON_TREE_REQUESTS)
+    logits, tokens, parents, cu, p, temp, _, _ = batch
     lo, hi = _shard_bounds(100, world)[rank]
-    results.append(tree_rejection_sample_vocab_parallel(
-        logits[:, lo:hi], tokens, parents, cu, p[:, lo:hi], temp, max_depth=4, vocab_start=lo, vocab_size=100))
+    for path in PATHS:
+        _select_path(path == "triton")
+        torch.manual_seed(11)
+        results["seeds", path] = tree_rejection_sample_vocab_parallel(
+            logits[:, lo:hi], tokens, parents, cu, p[:, lo:hi], temp, max_depth=4, vocab_start=lo, vocab_size=100)
+    return results
+
+
+def _same_outputs(got, want) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("world", sorted(TREE_CASES))
+def test_tree_vocab_parallel_equals_single_device(world, path):
+    results = [tree for _, tree, *_ in _results(world)]
+    keys = [k for k in results[0] if k[1] == path]
+    for other in results[1:]:
+        assert all(_same_outputs(other[k], results[0][k]) for k in keys), "ranks disagree"
+    for i, (vocab, probs, depth, _, _, _, bushy) in enumerate(TREE_CASES[world]):
+        args = _tree_batch(vocab, probs, seed=10 * world + i, bushy=bushy)
+        batch = TRITON_TREE_REQUESTS if path == "triton" else TREE_BATCH
+        ref = specdec_kernels.tree_rejection_sample(*_first_requests(args, batch), depth)
+        out, nodes, num = results[0][i, path]
+        same = (out == ref[0]).all(1) & (nodes == ref[1]).all(1) & (num == ref[2])
+        assert same.float().mean() >= 0.999, \
+            f"case {i}: {int((~same).sum())} of {batch} requests differ from the single-device op"
+        if path == "torch":  # test-strength check (the whole batch)
+            assert int(num.sum()) > batch // 4, "walks too shallow to exercise the tree"
+    if path == "triton":  # the fused kernels do the torch path's arithmetic: the same outputs
+        for k in keys:
+            want = results[0][k[0], "torch"]
+            assert _same_outputs(results[0][k], [t[:TRITON_TREE_REQUESTS] for t in want]), f"case {k[0]}: paths differ"
+
+
+# Edge configurations of the tree op, on both paths: (vocab, shard bounds per world size or
+# None for the ragged split, draft probabilities, batch, max_depth, logits dtype, options) --
+# options: "no_temp", "no_offsets", "int32_ids" (tokens, parents, cu), "greedy" / "random"
+# (every request), "N0" (no nodes at all), "bad_cu" (offsets that decrease, start above 0
+# and pass N: the reference's clamps), "small_tiles" (the fused kernels' tiles shrunk: several
+# node tiles per node's children, offset blocks and row segments), "no_max_children".
+TREE_EDGE_CASES = [
+    (300, {2: [(0, 0), (0, 300)], 3: [(0, 1), (1, 257), (257, 300)]}, True, 10, 3, torch.float32,
+     ("no_temp", "int32_ids")),                   # an empty shard / a 1-entry shard
+    (700, None, False, 10, 4, torch.bfloat16, ("no_offsets", "small_tiles", "random")),
+    (40, None, True, 10, 3, torch.float32, ("small_tiles", "no_max_children")),
+    (500, None, False, 8, 3, torch.float32, ("greedy", "bad_cu")),
+    (260, None, True, 6, 0, torch.float32, ("bad_cu",)),  # max_depth 0: the root's q
+    (260, None, False, 6, 2, torch.float32, ("N0",)),
+]
+
+
+def _tree_edge_batch(i):
+    vocab, _, probs, batch, depth, dtype, opts = TREE_EDGE_CASES[i]
+    logits, tokens, parents, cu, p, temp, seeds, offs = _tree_batch(vocab, probs, seed=400 + i, batch=batch,
+                                                                    bushy="small_tiles" in opts)
+    n = logits.shape[0]
+    if "N0" in opts:
+        logits, tokens, parents, cu = logits[:0], tokens[:0], parents[:0], torch.zeros_like(cu)
+        p = None if p is None else p[:0]
+    if "bad_cu" in opts:
+        cu = cu.clone()
+        cu[0], cu[3], cu[-1] = 2, cu[2] - 1, n + 5
+    if "greedy" in opts:
+        temp = torch.zeros_like(temp)
+    if "random" in opts:
+        temp = temp.clamp(min=0.5)
+    if "int32_ids" in opts:
+        tokens, parents, cu = tokens.to(torch.int32), parents.to(torch.int32), cu.to(torch.int32)
+    else:
+        parents, cu = parents.to(torch.int64), cu.to(torch.int64)
+    return (logits.to(dtype), tokens, parents, cu, p, None if "no_temp" in opts else temp, seeds,
+            None if "no_offsets" in opts else offs, depth)
+
+
+def _clean_cu(cu, tokens):
+    """The offsets as the ops read them: clamped to [0, N], non-decreasing."""
+    return cu.to(torch.int64).clamp(0, tokens.shape[0]).cummax(0).values
+
+
+def _tree_edge_calls(rank, world):
+    results = []
+    for i, (vocab, bounds, *_rest) in enumerate(TREE_EDGE_CASES):
+        opts = TREE_EDGE_CASES[i][-1]
+        logits, tokens, parents, cu, p, temp, seeds, offs, depth = _tree_edge_batch(i)
+        lo, hi = ((bounds or {}).get(world) or _shard_bounds(vocab, world))[rank]
+        per_path = {}
+        for path in PATHS:
+            _select_path(path == "triton")
+            small = _tvp is not None and "small_tiles" in opts
+            saved = (_tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM, _tvp.NODE_TILE, _tvp.BLOCK_B) if small else None
+            if small:
+                _tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM, _tvp.NODE_TILE, _tvp.BLOCK_B = 32, 1, 2, 2
+            try:
+                per_path[path] = tree_rejection_sample_vocab_parallel(
+                    logits[:, lo:hi].contiguous(), tokens, parents, cu, None if p is None else p[:, lo:hi].contiguous(),
+                    temp, seeds, offs, depth, vocab_start=lo, vocab_size=vocab,
+                    max_children=None if "no_max_children" in opts else _max_children(parents, _clean_cu(cu, tokens)))
+            finally:
+                if small:
+                    _tvp.BLOCK, _tvp.CHUNKS_PER_PROGRAM, _tvp.NODE_TILE, _tvp.BLOCK_B = saved
+        results.append(per_path)
     return results
 
 
 @pytest.mark.parametrize("world", sorted(TREE_CASES))
-def test_tree_vocab_parallel_equals_single_device(world):
-    results = [tree for _, tree, *_ in _results(world)]
-    for other in results[1:]:
-        for got, ref in zip(other, results[0]):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref)), "ranks disagree"
-    for i, (vocab, probs, depth, _, _, _, bushy) in enumerate(TREE_CASES[world]):
-        args = _tree_batch(vocab, probs, seed=10 * world + i, bushy=bushy)
-        ref = specdec_kernels.tree_rejection_sample(*args, depth)
-        out, nodes, num = results[0][i]
-        same = (out == ref[0]).all(1) & (nodes == ref[1]).all(1) & (num == ref[2])
-        assert same.float().mean() >= 0.999, \
-            f"case {i}: {int((~same).sum())} of {TREE_BATCH} requests differ from the single-device op"
-        assert int(num.sum()) > TREE_BATCH // 4, "walks too shallow to exercise the tree"  # test-strength check
+@pytest.mark.parametrize("edge_index", range(len(TREE_EDGE_CASES)))
+def test_tree_vocab_parallel_edge_cases(world, edge_index):
+    """Empty and 1-entry shards, no temperatures / offsets, int32 ids, bf16 logits, all-greedy
+    and all-random batches, malformed offsets, max_depth 0, no nodes, shrunk tiles: both paths,
+    every rank, the single-device op's outputs, and the same outputs on both paths."""
+    per_rank = [tree_edges[edge_index] for *_, tree_edges in _results(world)]
+    ref = specdec_kernels.tree_rejection_sample(*_tree_edge_batch(edge_index))
+    for path in PATHS:
+        got = per_rank[0][path]
+        assert all(_same_outputs(other[path], got) for other in per_rank[1:]), f"{path}: ranks disagree"
+        same = (got[0] == ref[0]).all(1) & (got[1] == ref[1]).all(1) & (got[2] == ref[2])
+        assert same.float().mean() >= 0.999, f"{path}: {int((~same).sum())} requests differ from the single-device op"
+    if "triton" in PATHS:
+        assert _same_outputs(per_rank[0]["triton"], per_rank[0]["torch"]), "paths differ"
 
 
 def _residual_batch(batch=300):
@@ -323,23 +448,37 @@ def _residual_batch(batch=300):
 def _residual_call(rank, world):
     logits, tokens, parents, cu, probs, temp, seeds, offs, depth = _residual_batch()
     lo, hi = _shard_bounds(6, world)[rank]
-    _select_path(world == 2)  # world 2: the Triton path (in the interpreter), world 3: torch
-    return tree_rejection_sample_vocab_parallel(logits[:, lo:hi].contiguous(), tokens, parents, cu,
-                                                probs[:, lo:hi].contiguous(), temp, seeds, offs, depth,
-                                                vocab_start=lo, vocab_size=6, max_children=3)
+    results = {}
+    for path in PATHS:
+        _select_path(path == "triton")
+        k = TRITON_RESIDUAL_REQUESTS if path == "triton" else seeds.shape[0]  # (the interpreter is slow)
+        n = int(cu[k])
+        results[path] = tree_rejection_sample_vocab_parallel(logits[:n, lo:hi].contiguous(), tokens[:n], parents[:n],
+                                                             cu[:k + 1], probs[:n, lo:hi].contiguous(), temp[:k],
+                                                             seeds[:k], offs, depth, vocab_start=lo, vocab_size=6,
+                                                             max_children=3)
+    return results
 
 
+TRITON_RESIDUAL_REQUESTS = 30
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", sorted(TREE_CASES))
-def test_tree_vocab_parallel_residual_after_several_rejections(world):
-    results = [residual for _, _, residual, _ in _results(world)]
+def test_tree_vocab_parallel_residual_after_several_rejections(world, path):
+    results = [residual[path] for _, _, residual, *_ in _results(world)]
     for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(other, results[0])), "ranks disagree"
+        assert _same_outputs(other, results[0]), "ranks disagree"
     ref = specdec_kernels.tree_rejection_sample(*_residual_batch())
     out, nodes, num = results[0]
+    k = num.shape[0]
     stopped_at_root = int((num == 0).sum())
-    assert stopped_at_root > 200, "test-strength check: the root's children should usually be rejected"
-    same = (out == ref[0]).all(1) & (nodes == ref[1]).all(1) & (num == ref[2])
+    assert stopped_at_root > 2 * k // 3, "test-strength check: the root's children should usually be rejected"
+    same = (out == ref[0][:k]).all(1) & (nodes == ref[1][:k]).all(1) & (num == ref[2][:k])
     assert same.float().mean() >= 0.999, f"{int((~same).sum())} of {same.numel()} requests differ"
+    if path == "triton":
+        want = _results(world)[0][2]["torch"]
+        assert _same_outputs(results[0], [t[:k] for t in want]), "paths differ"
 
 
 def test_tree_vocab_parallel_input_errors():

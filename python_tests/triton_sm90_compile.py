@@ -8,7 +8,7 @@ over its constexpr variants. ``test_triton_compile.py`` runs it in a subprocess,
 tests' process has TRITON_INTERPRET=1 set, under which ``triton.jit`` returns interpreted
 functions.
 
-    python python_tests/triton_sm90_compile.py chain|tree|vocab_parallel|vocab_parallel_tree
+    python python_tests/triton_sm90_compile.py chain|tree|vocab_parallel|vocab_parallel_tree|vocab_parallel_tree_fused
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ KERNELS = {
     "vocab_parallel": ("specdec_kernels.triton_vocab_parallel",
                        ["_chain_local_stats_kernel", "_chain_final_totals_kernel", "_chunk_race_kernel",
                         "_chunk_pick_kernel", "_chain_finish_kernel"]),
+    "vocab_parallel_tree_fused": ("specdec_kernels.triton_vocab_parallel",
+                                  ["_tree_local_stats_kernel", "_tree_residual_mass_kernel",
+                                   "_tree_final_totals_kernel", "_tree_chunk_pick_kernel", "_tree_finish_kernel"]),
     "vocab_parallel_tree": ("specdec_kernels.distributed",
                             ["_philox01_kernel", "_row_stats_kernel", "_residual_mass_kernel",
                              "_final_totals_kernel"]),
