@@ -8,6 +8,9 @@
 #   VERIFY_SHARE=1                             (also benchmarks/bench_verify_share.py: the op's
 #                                               share of a verify step on random-weight LLMs)
 #   TEST_TIMEOUT=420                           (seconds for the whole test run)
+#   The filter tests compile many variants of the filtered kernels (tens of seconds each on
+#   the GPU machine): give them their own call, e.g.
+#   TESTS=python_tests/test_filters.py TEST_TIMEOUT=540 BENCH=0 bash scripts/gpu_check.sh
 #   DIAGNOSE=1                                 (scripts/diagnose_block_agreement.py: block-mode
 #                                               disagreements with the reference, issue #9)
 #   FILTER_BENCH=1                             (benchmarks/bench_filters.py: issue #6's bar)
