@@ -295,6 +295,42 @@ def _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD: tl.con
 
 
 @triton.jit
+def _count_row_unit(request_counter_ptr, row_slot, filtered, row_ptr, table_m_row, table_w_row, rec_m_ptr,
+                    rec_s_ptr, flt_counter_ptr, flt_scratch_ptr, flt_buf_ptr, table_thr_ptr, table_kept_ptr,
+                    num_splits, k, top_k, top_p, min_p, excluded, vocab_size, num_chunks,
+                    HAS_FILTERS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                    CHUNK: tl.constexpr, FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr,
+                    FILTER_PIVOT_TILE: tl.constexpr, FILTER_PIVOTS: tl.constexpr):
+    """Count a phase-1 unit (its records written) on its request's counter; return the count
+    after it (0: not counted). A filtered row is counted whole by its last unit, once that unit
+    has found the row's threshold (triton_filters.py) and stored it with Z_t; the row's other
+    units leave the count to it. Shared by the chain and tree kernels."""
+    if HAS_FILTERS:
+        count_in = tl.full([], 1, tl.int32)
+        if filtered:
+            seen = tl.atomic_add(flt_counter_ptr + row_slot, 1, sem="acq_rel")
+            count_in = tl.where(seen == num_splits - 1, num_splits, 0)
+            if seen == num_splits - 1:
+                tl.debug_barrier()
+                f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD)
+                f_thr, f_z = _row_filter(
+                    row_ptr, table_m_row, table_w_row, flt_scratch_ptr + row_slot * (CHUNKS_PAD + FILTER_CAP),
+                    flt_buf_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, top_k, top_p, min_p,
+                    excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
+                    FILTER_PIVOT_TILE, FILTER_PIVOTS)
+                tl.store(table_thr_ptr + row_slot, f_thr)
+                tl.store(table_kept_ptr + row_slot, f_z)
+                tl.store(flt_counter_ptr + row_slot, 0)
+                tl.debug_barrier()
+        done = tl.zeros([], tl.int32)
+        if count_in > 0:
+            done = tl.atomic_add(request_counter_ptr, count_in, sem="acq_rel") + count_in
+    else:
+        done = tl.atomic_add(request_counter_ptr, 1, sem="acq_rel") + 1
+    return done
+
+
+@triton.jit
 def _pick(vec, t, idx):
     """vec[idx] for a vector indexed by t (a scalar gather from registers)."""
     return tl.sum(tl.where(t == idx, vec, 0), 0)
@@ -424,31 +460,11 @@ def _rejection_sample_kernel(
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, am_run)
             tl.debug_barrier()
-            if HAS_FILTERS:
-                count_in = tl.full([], 1, tl.int32)
-                if filtered:
-                    # The row's last unit finds its threshold (triton_filters.py) and counts the
-                    # whole row on the request; the others leave that to it.
-                    row_slot = b * (max_spec_len + 1) + t
-                    seen = tl.atomic_add(flt_counter_ptr + row_slot, 1, sem="acq_rel")
-                    count_in = tl.where(seen == num_splits - 1, num_splits, 0)
-                    if seen == num_splits - 1:
-                        tl.debug_barrier()
-                        f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD)
-                        f_thr, f_z = _row_filter(
-                            row_ptr, table_m_row, table_w_row, flt_list_ptr + row_slot * (CHUNKS_PAD + FILTER_CAP),
-                            table_bracket_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
-                            excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
-                            FILTER_PIVOT_TILE, FILTER_PIVOTS)
-                        tl.store(table_thr_ptr + row_slot, f_thr)
-                        tl.store(table_kept_ptr + row_slot, f_z)
-                        tl.store(flt_counter_ptr + row_slot, 0)
-                        tl.debug_barrier()
-                done = tl.zeros([], tl.int32)
-                if count_in > 0:
-                    done = tl.atomic_add(counter_ptr + b, count_in, sem="acq_rel") + count_in
-            else:
-                done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
+            done = _count_row_unit(
+                counter_ptr + b, b * (max_spec_len + 1) + t, filtered, row_ptr, table_m_row, table_w_row,
+                rec_m_ptr, rec_s_ptr, flt_counter_ptr, flt_list_ptr, table_bracket_ptr, table_thr_ptr, table_kept_ptr,
+                num_splits, k, f_top_k, f_top_p, f_min_p, excluded, vocab_size, num_chunks, HAS_FILTERS, SPLITS_PAD,
+                CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS)
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits:
                     tl.debug_barrier()

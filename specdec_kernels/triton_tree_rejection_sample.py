@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from . import triton_rejection_sample as _chain
-from .triton_filters import _row_filter, filter_workspace_sizes
+from .triton_filters import filter_workspace_sizes
 from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, for tools; launches read _chain's)
     FILTER_CAP,
     FILTER_PIVOT_TILE,
@@ -33,8 +33,8 @@ from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, f
     NUM_WARPS,
     _open_uniform,
     _philox_words,
+    _count_row_unit,
     _race_winner,
-    _row_stats,
     _sanitize,
     _stream_tile,
     _target_programs,
@@ -328,29 +328,11 @@ def _tree_rejection_sample_kernel(
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, tl.where(am_run == 2147483647, -1, am_run))
             tl.debug_barrier()
-            if HAS_FILTERS:
-                count_in = tl.full([], 1, tl.int32)
-                if filtered:
-                    # The row's last unit finds its threshold and counts the whole row.
-                    seen = tl.atomic_add(flt_counter_ptr + row, 1, sem="acq_rel")
-                    count_in = tl.where(seen == num_splits - 1, num_splits, 0)
-                    if seen == num_splits - 1:
-                        tl.debug_barrier()
-                        f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row, num_splits, k, SPLITS_PAD)
-                        f_thr, f_z = _row_filter(
-                            row_ptr, table_m_row, table_w_row, flt_list_ptr + row * (CHUNKS_PAD + FILTER_CAP),
-                            table_bracket_ptr + row * FILTER_CAP, f_max, f_sum, k, f_top_k, f_top_p, f_min_p,
-                            excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
-                            FILTER_PIVOT_TILE, FILTER_PIVOTS)
-                        tl.store(table_thr_ptr + row, f_thr)
-                        tl.store(table_kept_ptr + row, f_z)
-                        tl.store(flt_counter_ptr + row, 0)
-                        tl.debug_barrier()
-                done = tl.zeros([], tl.int32)
-                if count_in > 0:
-                    done = tl.atomic_add(counter_ptr + b, count_in, sem="acq_rel") + count_in
-            else:
-                done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
+            done = _count_row_unit(
+                counter_ptr + b, row, filtered, row_ptr, table_m_row, table_w_row, rec_m_ptr, rec_s_ptr,
+                flt_counter_ptr, flt_list_ptr, table_bracket_ptr, table_thr_ptr, table_kept_ptr, num_splits, k,
+                f_top_k, f_top_p, f_min_p, excluded, vocab_size, num_chunks, HAS_FILTERS, SPLITS_PAD, CHUNKS_PAD,
+                CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS)
             finalize = done == n * num_splits
         if finalize:
             tl.debug_barrier()
