@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -150,5 +151,16 @@ class WorkspaceCache {
   std::vector<Workspace> per_device_;
   std::vector<at::Tensor> retired_;
 };
+
+// Tuning knob for benchmarks (docs/PERF.md): SPECDEC_CUDA_UNITS_PER_SLOT=n makes the plans aim for
+// n work units per resident CTA instead of the kernel's default. Read at every call, so a
+// benchmark can sweep it in one process; unset, empty or not a positive integer = default.
+inline int64_t units_per_slot(int64_t default_value) {
+  const char* env = std::getenv("SPECDEC_CUDA_UNITS_PER_SLOT");
+  if (env == nullptr || *env == '\0') return default_value;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  return (end != nullptr && *end == '\0' && v >= 1 && v <= 64) ? v : default_value;
+}
 
 }  // namespace specdec::binding

@@ -82,7 +82,8 @@ void launch(const Call& call) {
   const int64_t vocab = call.logits.size(1);
   const RejectionSamplePlan plan =
       specdec::plan_rejection_sample(num_rows, call.num_requests, vocab, call.max_spec_len, kHasDraftProbs,
-                                     concurrent_ctas<T, P, kMethod>(device.index()), kMethod);
+                                     concurrent_ctas<T, P, kMethod>(device.index()), kMethod,
+                                     binding::units_per_slot(specdec::kRsUnitsPerSlot));
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 

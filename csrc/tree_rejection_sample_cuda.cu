@@ -80,7 +80,8 @@ void launch(const Call& call) {
   const int64_t num_nodes = call.logits.size(0);
   const int64_t vocab = call.logits.size(1);
   const TreeRejectionSamplePlan plan = specdec::plan_tree_rejection_sample(
-      num_nodes, call.num_requests, vocab, concurrent_ctas<T, P>(device.index()));
+      num_nodes, call.num_requests, vocab, concurrent_ctas<T, P>(device.index()),
+      binding::units_per_slot(specdec::kRtUnitsPerSlot));
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 

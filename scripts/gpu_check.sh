@@ -15,6 +15,9 @@
 #                                               disagreements with the reference, issue #9)
 #   FILTER_BENCH=1                             (benchmarks/bench_filters.py: issue #6's bar)
 #   TREE_BENCH="64"                            (benchmarks/bench_tree_rejection_sample.py --nodes ...)
+#   PROFILE=1                                  (benchmarks/tune_cuda_plan.py: the CUDA plans' units
+#                                               per CTA swept on the bar shapes; then ncu sections
+#                                               of the chain / tree kernels, PROFILE_SHAPES)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +74,21 @@ if [ -n "${TREE_BENCH:-}" ]; then
   timeout 300 python3 benchmarks/bench_tree_rejection_sample.py --nodes "$TREE_BENCH" --batches ${TREE_BATCHES:-1,32} \
     --out "$OUT" 2>&1 | tee -a "$OUT/run.log" | tail -30
   echo "tree bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${PROFILE:-0}" = "1" ]; then
+  start=$(date +%s)
+  timeout 240 python3 benchmarks/tune_cuda_plan.py --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -60
+  echo "plan sweep: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+  start=$(date +%s)
+  for shape in ${PROFILE_SHAPES:-chain,1,bf16,none chain,32,bf16,none chain,128,bf16,none tree,32,bf16,none chain,32,bf16,none,triton}; do
+    echo "=== ncu $shape" >>"$OUT/run.log"
+    timeout 120 ncu --clock-control none -k regex:rejection_sample --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats \
+      python3 benchmarks/tune_cuda_plan.py --profile-one "$shape" >>"$OUT/run.log" 2>&1 || echo "ncu $shape failed: $?" >>"$OUT/run.log"
+  done
+  echo "ncu: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 [ "${BENCH:-core}" = "0" ] && exit 0

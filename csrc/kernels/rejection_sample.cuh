@@ -187,14 +187,15 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 }
 
 // concurrent_ctas: CTAs the GPU runs at once (SMs x resident CTAs per SM). Rows are split so
-// that there are about kRsUnitsPerSlot units per resident CTA (at least one row per unit).
+// that there are about units_per_slot units per resident CTA (at least one row per unit).
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
-                                                 int64_t concurrent_ctas, RsMethod method = kRsMethodToken) {
+                                                 int64_t concurrent_ctas, RsMethod method = kRsMethodToken,
+                                                 int64_t units_per_slot = kRsUnitsPerSlot) {
   RejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
-  const int64_t target_units = kRsUnitsPerSlot * concurrent_ctas;
+  const int64_t target_units = (units_per_slot < 1 ? 1 : units_per_slot) * concurrent_ctas;
   plan.num_chunks = static_cast<int32_t>(num_chunks);
   plan.num_tiles = static_cast<int32_t>(num_tiles);
   rs_split_row(num_tiles, rs_ceil_div(target_units, num_rows < 1 ? 1 : num_rows), plan.num_splits,

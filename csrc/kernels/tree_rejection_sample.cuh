@@ -110,14 +110,15 @@ struct TreeRejectionSampleParams {
 // ------------------------------------------------------------------------------ host plan
 
 // concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about
-// kRtUnitsPerSlot units per resident CTA (small batches spread the vocabulary over the GPU,
+// units_per_slot units per resident CTA (small batches spread the vocabulary over the GPU,
 // large ones get one unit per row).
 inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int64_t num_requests, int64_t vocab,
-                                                          int64_t concurrent_ctas) {
+                                                          int64_t concurrent_ctas,
+                                                          int64_t units_per_slot = kRtUnitsPerSlot) {
   TreeRejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
-  const int64_t wanted = rs_ceil_div(kRtUnitsPerSlot * (concurrent_ctas < 1 ? 1 : concurrent_ctas),
+  const int64_t wanted = rs_ceil_div((units_per_slot < 1 ? 1 : units_per_slot) * (concurrent_ctas < 1 ? 1 : concurrent_ctas),
                                      num_nodes < 1 ? 1 : num_nodes);
   const int64_t cap = num_tiles < kRtMaxSplits ? num_tiles : kRtMaxSplits;
   const int64_t splits = wanted < 1 ? 1 : (wanted > cap ? cap : wanted);

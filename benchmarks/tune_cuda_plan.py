@@ -1,0 +1,89 @@
+"""Sweep the CUDA kernels' work decomposition (units per resident CTA) on the bar shapes.
+
+The CUDA plans split every target row into about `units_per_slot x resident CTAs / rows` work
+units (csrc/kernels/*.cuh, plan_*). SPECDEC_CUDA_UNITS_PER_SLOT overrides the default at
+every call, so one process can time several plans: this script does that for the chain op
+(K = 4) and the tree op (64-node depth-6 trees), graph-timed like bench_rejection_sample.py,
+and writes tune_cuda_plan.csv. Also used to hand `--profile-one` shapes to ncu:
+
+    python benchmarks/tune_cuda_plan.py --out gpu_out
+    ncu --clock-control none -k regex:rejection_sample --launch-skip 1 --launch-count 1 \
+        python benchmarks/tune_cuda_plan.py --profile-one chain,32,bf16,none
+
+(scripts/gpu_check.sh PROFILE=1 runs both.)
+"""
+import argparse
+import csv
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_rejection_sample as chain_bench  # noqa: E402
+import bench_tree_rejection_sample as tree_bench  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def make(op, batch, dtype, probs, seed, vocab, backend="cuda"):
+    if op == "chain":
+        inp = chain_bench.make_inputs(batch, 4, vocab, DTYPES[dtype], probs, seed)
+        return chain_bench.our_call(inp, 4, backend)
+    inp = tree_bench.make_inputs(batch, tree_bench.TREES[64], vocab, DTYPES[dtype], probs, False, seed)
+    return tree_bench.tree_call(inp, backend)
+
+
+def floor(op, batch, dtype, probs, vocab, bandwidth):
+    if op == "chain":
+        return chain_bench.floor_us(batch, 4, vocab, dtype, probs, bandwidth)
+    return tree_bench.floor_us(batch, 64, vocab, dtype, probs, bandwidth)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--units-per-slot", default="1,2,3,4,6,8")
+    ap.add_argument("--shapes", default="chain,1,bf16,none;chain,8,bf16,none;chain,32,bf16,none;"
+                    "chain,128,bf16,none;chain,32,fp32,fp32;chain,128,fp32,fp32;tree,1,bf16,none;tree,32,bf16,none")
+    ap.add_argument("--profile-one", default=None,
+                    help="op,B,dtype,probs[,backend]: three eager calls (for ncu), no timing")
+    args = ap.parse_args()
+    if args.profile_one:
+        op, b, dtype, probs, *backend = args.profile_one.split(",")
+        fn = make(op, int(b), dtype, probs != "none", 0, args.vocab, *backend)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return
+    os.makedirs(args.out, exist_ok=True)
+    info = chain_bench.versions()
+    bandwidth = chain_bench.copy_bandwidth()
+    rows = []
+    for shape in args.shapes.split(";"):
+        op, b, dtype, probs = shape.split(",")
+        batch, has_probs = int(b), probs != "none"
+        per_set = batch * (5 if op == "chain" else 64) * args.vocab * (DTYPES[dtype].itemsize + 4 * has_probs)
+        n_sets = max(2, min(16, int(4e9 // per_set)))
+        fns = [make(op, batch, dtype, has_probs, s, args.vocab) for s in range(n_sets)]
+        fl = floor(op, batch, dtype, has_probs, args.vocab, bandwidth)
+        for ups in args.units_per_slot.split(","):
+            os.environ["SPECDEC_CUDA_UNITS_PER_SLOT"] = ups
+            us = chain_bench.time_graph(fns)
+            rows.append(dict(info, op=op, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
+                             units_per_slot=int(ups), floor_us=round(fl, 2), graph_us=round(us, 2),
+                             graph_over_floor=round(us / fl, 3)))
+            print(f"{op:5s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>2s}: "
+                  f"{us:8.1f} us  floor {fl:7.1f}  ({us / fl:5.2f}x)", flush=True)
+        os.environ.pop("SPECDEC_CUDA_UNITS_PER_SLOT", None)
+        del fns
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "tune_cuda_plan.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
