@@ -37,7 +37,8 @@ def extensions():
     cxx = ["-O3"]  # torch adds the -std it was built with
     if not BUILD_CUDA:
         return [CppExtension("specdec_kernels._C", sources, extra_compile_args={"cxx": cxx})]
-    nvcc = ["-O3", "--use_fast_math", "-lineinfo", *cuda_arch_flags()]
+    # SPECDEC_NVCC_FLAGS: extra nvcc flags for experiments (e.g. the -D tuning macros of csrc/kernels).
+    nvcc = ["-O3", "--use_fast_math", "-lineinfo", *cuda_arch_flags(), *os.environ.get("SPECDEC_NVCC_FLAGS", "").split()]
     return [
         CUDAExtension(
             "specdec_kernels._C",

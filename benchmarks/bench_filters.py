@@ -17,7 +17,9 @@ Times as in bench_rejection_sample.py: ``graph`` = GPU time per call from a CUDA
 several calls on distinct input sets (L2 flushed before each replay), ``eager`` = the Python
 call. ``vs_unfiltered`` = graph time over the unfiltered Triton graph time of the same
 configuration. ``--knobs`` also times the filtered call for several FILTER_CAP / FILTER_TILE
-values (triton_rejection_sample.py; each is a separate compile).
+values (triton_rejection_sample.py; each is a separate compile); ``--knob-runs`` times the
+chosen settings under explicit knob sets, e.g.
+``"FILTER_MAXNREG=0 FILTER_PIVOT_ACCUMULATE=0;FILTER_MAXNREG=128 FILTER_PIVOT_ACCUMULATE=1 FILTER_PIVOT_TILE=1"``.
 
     python benchmarks/bench_filters.py --out bench_out            # the bar's configuration (+ fp32 + draft probs)
     python benchmarks/bench_filters.py --out bench_out --knobs    # + the knob sweep
@@ -107,6 +109,9 @@ def main():
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                     help=f"comma list of filter settings to time, of {list(FILTER_SETTINGS)}")
     ap.add_argument("--configs", default="bf16,fp32+draft", help=f"comma list of {list(CONFIGS)}")
+    ap.add_argument("--knob-runs", default="",
+                    help="';'-separated sets of 'NAME=value' module knobs of triton_rejection_sample (FILTER_*), "
+                         "each timing every --settings entry")
     ap.add_argument("--no-sort", action="store_true", help="skip the sort-based baselines")
     ap.add_argument("--tag", default="", help="a label for this run: a CSV column and the files' suffix")
     args = ap.parse_args()
@@ -164,17 +169,25 @@ def main():
                     variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
                 if cuda_built:
                     variants.append(("cuda", lambda inp: call(inp, "cuda")))
-                knob_runs = [(None, None)]
+                knob_runs = [{}]
                 if args.knobs:
-                    knob_runs += [(cap, tile) for cap in (64, 256, 512, 1024) for tile in (4, 8, 16)
-                                  if (cap, tile) != (trs.FILTER_CAP, trs.FILTER_TILE)]
+                    knob_runs += [dict(FILTER_CAP=cap, FILTER_TILE=tile) for cap in (64, 256, 512, 1024)
+                                  for tile in (4, 8, 16) if (cap, tile) != (trs.FILTER_CAP, trs.FILTER_TILE)]
+                for spec in filter(None, (r.strip() for r in args.knob_runs.split(";"))):
+                    knob_runs.append({n: int(v) for n, v in (kv.split("=") for kv in spec.split())})
                 base_graph = None
                 for knobs in knob_runs:
-                    saved = trs.FILTER_CAP, trs.FILTER_TILE
-                    if knobs != (None, None):
-                        trs.FILTER_CAP, trs.FILTER_TILE = knobs
-                        todo = [(f"triton k50 p0.9 cap={knobs[0]} tile={knobs[1]}",
-                                 lambda inp: call(inp, "triton", filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])))]
+                    saved = {n: getattr(trs, n) for n in knobs}
+                    if knobs:
+                        for n, v in knobs.items():
+                            if not hasattr(trs, n):
+                                raise SystemExit(f"unknown knob {n}")
+                            setattr(trs, n, type(getattr(trs, n))(v))
+                        label = " ".join(f"{n.removeprefix('FILTER_').lower()}={v}" for n, v in knobs.items())
+                        chosen = settings if args.knob_runs else ["k50 p0.9"]
+                        todo = [(f"triton {name} {label}",
+                                 lambda inp, s=FILTER_SETTINGS[name]: call(inp, "triton", filter_tensors(batch, s)))
+                                for name in chosen]
                     else:
                         todo = variants
                     try:
@@ -195,7 +208,8 @@ def main():
                                   f"std={scale:g} {name:34s} graph {graph:8.1f} us ({graph / floor:5.2f}x floor, "
                                   f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
                     finally:
-                        trs.FILTER_CAP, trs.FILTER_TILE = saved
+                        for n, v in saved.items():
+                            setattr(trs, n, v)
                 del sets
                 torch.cuda.empty_cache()
 

@@ -299,22 +299,24 @@ try:
     @triton.jit
     def _row_filter_kernel(logits_ptr, vocab, table_m_ptr, table_w_ptr, scratch_ptr, buf_ptr, max_ptr, sum_ptr, temp_ptr,
                            top_k_ptr, top_p_ptr, min_p_ptr, thr_ptr, z_ptr, num_chunks, CHUNKS_PAD: tl.constexpr,
-                           CAP: tl.constexpr):
+                           CAP: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr):
         r = tl.program_id(0)
         k = 1.4426950408889634 / tl.load(temp_ptr + r)
         thr, z = _row_filter(logits_ptr + r * vocab, table_m_ptr + r * num_chunks, table_w_ptr + r * num_chunks,
                              scratch_ptr + r * (CHUNKS_PAD + CAP), buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r),
                              k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), tl.load(min_p_ptr + r), -1, vocab,
-                             num_chunks, CHUNKS_PAD, 256, CAP, 8, 2, 16)
+                             num_chunks, CHUNKS_PAD, 256, CAP, 8, PIVOT_TILE, 16, PIVOT_ACCUMULATE)
         tl.store(thr_ptr + r, thr)
         tl.store(z_ptr + r, z)
 except ImportError:  # triton is optional
     _row_filter_kernel = None
 
 
-def row_filter(logits, temperature, top_k, top_p, min_p, cap):
+def row_filter(logits, temperature, top_k, top_p, min_p, cap, accumulate=False):
     """The kernels' threshold search on rows [R, V] (float32), fed what the stream would give it:
-    the chunk maxima and totals, the row max and sum. Returns (threshold, Z_t, chunk totals)."""
+    the chunk maxima and totals, the row max and sum. Returns (threshold, Z_t, chunk totals).
+    accumulate: the pivot passes' element-wise accumulation (one chunk per tile), else per-tile
+    reductions (two chunks per tile)."""
     device = logits.device
     rows, vocab = logits.shape
     chunks = (vocab + 255) // 256
@@ -332,17 +334,20 @@ def row_filter(logits, temperature, top_k, top_p, min_p, cap):
     _row_filter_kernel[(rows,)](
         padded[:, :vocab].contiguous(), vocab, m_c.contiguous(), w_c.contiguous(),
         torch.zeros(rows * (pad + cap), dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
-        row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, z, chunks, CHUNKS_PAD=pad, CAP=cap)
+        row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, z, chunks, CHUNKS_PAD=pad, CAP=cap,
+        PIVOT_TILE=1 if accumulate else 2, PIVOT_ACCUMULATE=accumulate)
     return thr, z, w_c
 
 
 @pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
 @pytest.mark.parametrize("vocab", [1, 7, 256, 300, 3000])
 @pytest.mark.parametrize("cap", [2, 16, 512])
-def test_threshold_search_keeps_the_sorted_definition(vocab, cap):
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
     """Kept set = the sort-based one exactly (thresholds are row values, no float near-ties on
     these rows), Z_t and the restricted chunk totals to float rounding; buffers from 2 (every
-    row needs counting passes, and single-value brackets end them) to 512."""
+    row needs counting passes, and single-value brackets end them) to 512; both ways of
+    counting in a pivot pass."""
     device = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(vocab + cap)
     rows = 12
@@ -358,7 +363,7 @@ def test_threshold_search_keeps_the_sorted_definition(vocab, cap):
     top_k[6], top_p[6], min_p[6] = 0, 1.0, 0.3                    # min-p alone
     top_k[1] = max(vocab - 1, 1)
     thr, z, w_c = row_filter(logits.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
-                             min_p.to(device), cap)
+                             min_p.to(device), cap, accumulate)
     thr, z, w_c = thr.cpu(), z.cpu(), w_c.cpu()
     clean = torch.nan_to_num(logits, nan=float("-inf"))
     keep = filter_keep_mask(clean.double(), 1 / temperature.double(), top_k, top_p.double(), min_p.double())

@@ -182,14 +182,19 @@ def _pivots(lo, hi, scale, PIVOTS: tl.constexpr):
 
 @triton.jit
 def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
-                TILE: tl.constexpr, CHUNK: tl.constexpr):
+                TILE: tl.constexpr, CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr):
     """The pivots of the bracket [lo, hi) (``_pivots``) and, for each, the count and the mass
     exp2((l - row_max) k) of the bracket's tokens at or above it; also the bracket's count.
-    Pipelined as ``_gather``."""
+    Pipelined as ``_gather``. ACCUMULATE: the [TILE * CHUNK, PIVOTS] comparisons accumulate
+    element-wise across tiles and are reduced once at the end (registers); otherwise each tile
+    is reduced (two cross-warp round trips and barriers per tile, which makes a pass over a
+    whole row -- top-p alone on a flat row -- latency-bound)."""
     piv = _pivots(lo, hi, scale, PIVOTS)
+    acc_cnt = tl.zeros([TILE * CHUNK, PIVOTS], tl.int32)
+    acc_mass = tl.zeros([TILE * CHUNK, PIVOTS], tl.float32)
+    acc_in = tl.zeros([TILE * CHUNK], tl.int32)
     cnt = tl.zeros([PIVOTS], tl.int32)
     mass = tl.zeros([PIVOTS], tl.float32)
-    n_in = tl.zeros([], tl.int32)
     chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
     raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
     chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
@@ -201,18 +206,26 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
         key = _key(lg)
         inside = tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)
         e = tl.where(inside, tl.exp2((lg - row_max) * k), 0.0)
-        c, m = _count_above(key, e, inside, piv, PIVOTS)
-        cnt += c
-        mass += m
-        n_in += tl.sum(inside.to(tl.int32), 0)
-    return piv, cnt, mass, n_in
+        if ACCUMULATE:
+            above = inside[:, None] & (key[:, None] >= piv[None, :])
+            acc_cnt += above.to(tl.int32)
+            acc_mass += tl.where(above, e[:, None], 0.0)
+        else:
+            c, m = _count_above(key, e, inside, piv, PIVOTS)
+            cnt += c
+            mass += m
+        acc_in += inside.to(tl.int32)
+    if ACCUMULATE:
+        cnt = tl.sum(acc_cnt, 0)
+        mass = tl.sum(acc_mass, 0)
+    return piv, cnt, mass, tl.sum(acc_in, 0)
 
 
 @triton.jit
 def _search(row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
             by_mass, goal_count, goal_mass, lo, hi,
             CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
-            PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
+            PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr):
     """Narrow [lo, hi) around the answer -- the largest key v with f(v): count(key >= v) >=
     goal_count, or (by_mass) mass(key >= v) >= goal_mass -- given f(lo) (a lower bound; if it
     is not, the answer is taken to be lo) and nothing to count at or above hi.
@@ -233,7 +246,7 @@ def _search(row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_
     while (n_b > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
         n_listed = _qualify(m_c, in_table, lo, list_ptr)
         piv, cnt, mass, n_in = _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size,
-                                           PIVOTS, PIVOT_TILE, CHUNK)
+                                           PIVOTS, PIVOT_TILE, CHUNK, PIVOT_ACCUMULATE)
         holds = tl.where(by_mass, mass_above + mass >= goal_mass, n_above + cnt >= goal_count)
         n_true = tl.max(tl.where(holds, i + 1, 0), 0)  # the answer is in [piv[n_true-1], piv[n_true])
         n_from = tl.where(n_true > 0, _at(cnt, i, n_true - 1), n_in)
@@ -394,7 +407,7 @@ def _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, S:
 def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max, row_sum, k,
                 top_k, top_p, min_p, excluded, vocab_size, num_chunks,
                 CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
-                PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
+                PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr):
     """(threshold t, Z_t) of one row of a filtered request, its chunk table restricted to l >= t.
 
     row_max / row_sum: the row's max and sum of exp2((l - max) k) from the stream; top_k (int32,
@@ -439,7 +452,7 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
                 lo0 = tl.maximum(lo0, t_mp)  # below t_mp the exact k-th value does not matter
             lo, hi, n_above, mass_above, n_b = _search(
                 row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
-                False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
+                False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
             complete = (hi == top) & (n_b <= CAP)
             buf_lo = lo
             buf_n = n_b
@@ -468,7 +481,7 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
             lo1 = tl.minimum(lo1, top - 1)  # the max always qualifies (p <= 0 keeps it alone)
             lo, hi, n_above, mass_above, n_b = _search(
                 row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
-                True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
+                True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
             complete = (hi == top) & (n_b <= CAP)
             buf_lo = lo
             buf_n = n_b

@@ -46,8 +46,20 @@ PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
 # gather / rewrite passes and of the counting passes, pivots per counting pass. Powers of 2.
 FILTER_CAP = int(os.environ.get("SPECDEC_TRITON_FILTER_CAP", "512"))
 FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
-FILTER_PIVOT_TILE = 2
+# Tuning knobs of the filtered variants (benchmarks/bench_filters.py --knob-runs sweeps them):
+# chunks per tile of a pivot pass, and whether its counts accumulate element-wise across tiles
+# (one reduction per pass) or are reduced per tile; FILTER_MAXNREG caps the registers of a
+# filtered variant (0: Triton's choice), whose search code otherwise sets the register count
+# (and so the occupancy) of the whole kernel, stream included.
+FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "2"))
+FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "0") == "1"
+FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
 FILTER_PIVOTS = 16
+
+
+def filter_launch_options(has_filters: bool) -> dict:
+    """Extra launch options of a kernel variant: the register cap of the filtered ones."""
+    return {"maxnreg": FILTER_MAXNREG} if has_filters and FILTER_MAXNREG > 0 else {}
 
 
 @triton.jit
@@ -300,7 +312,8 @@ def _count_row_unit(request_counter_ptr, row_slot, filtered, row_ptr, table_m_ro
                     num_splits, k, top_k, top_p, min_p, excluded, vocab_size, num_chunks,
                     HAS_FILTERS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
                     CHUNK: tl.constexpr, FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr,
-                    FILTER_PIVOT_TILE: tl.constexpr, FILTER_PIVOTS: tl.constexpr):
+                    FILTER_PIVOT_TILE: tl.constexpr, FILTER_PIVOTS: tl.constexpr,
+                    FILTER_PIVOT_ACCUMULATE: tl.constexpr):
     """Count a phase-1 unit (its records written) on its request's counter; return the count
     after it (0: not counted). A filtered row is counted whole by its last unit, once that unit
     has found the row's threshold (triton_filters.py) and stored it with Z_t; the row's other
@@ -317,7 +330,7 @@ def _count_row_unit(request_counter_ptr, row_slot, filtered, row_ptr, table_m_ro
                     row_ptr, table_m_row, table_w_row, flt_scratch_ptr + row_slot * (CHUNKS_PAD + FILTER_CAP),
                     flt_buf_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, top_k, top_p, min_p,
                     excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
-                    FILTER_PIVOT_TILE, FILTER_PIVOTS)
+                    FILTER_PIVOT_TILE, FILTER_PIVOTS, FILTER_PIVOT_ACCUMULATE)
                 tl.store(table_thr_ptr + row_slot, f_thr)
                 tl.store(table_kept_ptr + row_slot, f_z)
                 tl.store(flt_counter_ptr + row_slot, 0)
@@ -357,7 +370,7 @@ def _rejection_sample_kernel(
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
     FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr, FILTER_PIVOT_TILE: tl.constexpr,
-    FILTER_PIVOTS: tl.constexpr,
+    FILTER_PIVOTS: tl.constexpr, FILTER_PIVOT_ACCUMULATE: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -464,7 +477,8 @@ def _rejection_sample_kernel(
                 counter_ptr + b, b * (max_spec_len + 1) + t, filtered, row_ptr, table_m_row, table_w_row,
                 rec_m_ptr, rec_s_ptr, flt_counter_ptr, flt_list_ptr, table_bracket_ptr, table_thr_ptr, table_kept_ptr,
                 num_splits, k, f_top_k, f_top_p, f_min_p, excluded, vocab_size, num_chunks, HAS_FILTERS, SPLITS_PAD,
-                CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS)
+                CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS,
+                FILTER_PIVOT_ACCUMULATE)
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits:
                     tl.debug_barrier()
@@ -742,6 +756,8 @@ def rejection_sample_triton(
         FILTER_TILE=FILTER_TILE,
         FILTER_PIVOT_TILE=FILTER_PIVOT_TILE,
         FILTER_PIVOTS=FILTER_PIVOTS,
+        FILTER_PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
         num_warps=NUM_WARPS,
+        **filter_launch_options(has_filters),
     )
     return out_tokens, num_accepted

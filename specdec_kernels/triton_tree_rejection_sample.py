@@ -251,7 +251,7 @@ def _tree_rejection_sample_kernel(
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
     FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr, FILTER_PIVOT_TILE: tl.constexpr,
-    FILTER_PIVOTS: tl.constexpr,
+    FILTER_PIVOTS: tl.constexpr, FILTER_PIVOT_ACCUMULATE: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -332,7 +332,7 @@ def _tree_rejection_sample_kernel(
                 counter_ptr + b, row, filtered, row_ptr, table_m_row, table_w_row, rec_m_ptr, rec_s_ptr,
                 flt_counter_ptr, flt_list_ptr, table_bracket_ptr, table_thr_ptr, table_kept_ptr, num_splits, k,
                 f_top_k, f_top_p, f_min_p, excluded, vocab_size, num_chunks, HAS_FILTERS, SPLITS_PAD, CHUNKS_PAD,
-                CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS)
+                CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS, FILTER_PIVOT_ACCUMULATE)
             finalize = done == n * num_splits
         if finalize:
             tl.debug_barrier()
@@ -493,7 +493,9 @@ def tree_rejection_sample_triton(
         HAS_FILTERS=has_filters, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None, FILTER_CAP=cap, FILTER_TILE=_chain.FILTER_TILE,
         FILTER_PIVOT_TILE=_chain.FILTER_PIVOT_TILE, FILTER_PIVOTS=_chain.FILTER_PIVOTS,
+        FILTER_PIVOT_ACCUMULATE=_chain.FILTER_PIVOT_ACCUMULATE,
         num_warps=NUM_WARPS,
+        **_chain.filter_launch_options(has_filters),
     )
     return out_tokens, out_nodes, num_accepted
 

@@ -59,6 +59,12 @@
 
 #include "kernels/philox.cuh"
 
+// Tiles of 16-bit logits staged per CTA without draft probabilities (tuning macro:
+// SPECDEC_NVCC_FLAGS=-D...; 3 keeps 4 CTAs per SM).
+#ifndef SPECDEC_CHAIN_STREAM_STAGES_16BIT
+#define SPECDEC_CHAIN_STREAM_STAGES_16BIT 3
+#endif
+
 namespace specdec {
 
 constexpr int kSampleChunk = 256;  // docs/ALGORITHM.md §3; sampling lanes are chunk indices
@@ -642,9 +648,10 @@ struct RsConfig {
   static constexpr int kResidualBytes =
       kHasDraftProbs ? kResidualStages * kRsTileEntries * static_cast<int>(sizeof(T) + sizeof(P)) : 0;
   static constexpr int kStages =
-      kHasDraftProbs ? (kResidualBytes / kTileBytes > 2 ? kResidualBytes / kTileBytes : 2) : (sizeof(T) == 2 ? 3 : 2);
+      kHasDraftProbs ? (kResidualBytes / kTileBytes > 2 ? kResidualBytes / kTileBytes : 2)
+                     : (sizeof(T) == 2 ? SPECDEC_CHAIN_STREAM_STAGES_16BIT : 2);
   static constexpr int kSmemBytes = kStages * kTileBytes > kResidualBytes ? kStages * kTileBytes : kResidualBytes;
-  static constexpr int kMinBlocksPerSM = (!kHasDraftProbs && sizeof(T) == 2) ? 4 : 3;
+  static constexpr int kMinBlocksPerSM = (!kHasDraftProbs && sizeof(T) == 2 && kStages <= 3) ? 4 : 3;
 };
 
 // Runs process(tile, stage) over tiles [lo, hi) with kStages - 1 tiles in flight (kStages = 1:

@@ -34,6 +34,11 @@
 
 #include "kernels/rejection_sample.cuh"
 
+// Tiles of 16-bit logits staged per CTA in phase 1 (tuning macro: SPECDEC_NVCC_FLAGS=-D...).
+#ifndef SPECDEC_TREE_STREAM_STAGES_16BIT
+#define SPECDEC_TREE_STREAM_STAGES_16BIT 4
+#endif
+
 namespace specdec {
 
 constexpr int kRtThreads = kRsThreads;  // 256; the helpers of rs_detail assume it
@@ -148,7 +153,7 @@ template <typename T, typename P>
 struct RtConfig {
   static constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
   static constexpr int kTileBytes = kRsTileEntries * static_cast<int>(sizeof(T));
-  static constexpr int kMinStreamStages = sizeof(T) == 2 ? 4 : 2;
+  static constexpr int kMinStreamStages = sizeof(T) == 2 ? SPECDEC_TREE_STREAM_STAGES_16BIT : 2;
   static constexpr int kNodeCacheBytes = kRtCachedNodes * 32;  // 8 arrays of 4-byte fields
   static constexpr int kExcludedBytes = kHasDraftProbs ? 0 : kRtMaxExcluded * 4;
   static constexpr int kPairTileBytes =
