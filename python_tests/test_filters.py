@@ -453,7 +453,7 @@ def test_triton_interpreter_tree_agrees_with_reference(small_bracket, draft_prob
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
-@pytest.mark.parametrize("vocab", [32000, 128256])
+@pytest.mark.parametrize("vocab", [128256, 151936])  # the GPU vocabularies
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("draft_probs", [False, True])
 @pytest.mark.parametrize("method", ["token", "block"])

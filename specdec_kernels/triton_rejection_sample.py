@@ -51,8 +51,8 @@ FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
 # (one reduction per pass) or are reduced per tile; FILTER_MAXNREG caps the registers of a
 # filtered variant (0: Triton's choice), whose search code otherwise sets the register count
 # (and so the occupancy) of the whole kernel, stream included.
-FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "2"))
-FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "0") == "1"
+FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "1"))
+FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "1") == "1"
 FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
 FILTER_PIVOTS = 16
 
