@@ -461,8 +461,8 @@ def test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method):
     total, agree = 0, 0.0
     for seed in range(2):
         batch = 64
-        args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, seed=100 * seed + vocab % 97,
-                            device="cuda")
+        # On the CPU: _agree runs the reference there and moves the inputs to the GPU.
+        args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, seed=100 * seed + vocab % 97)
         filters = random_filters(batch, vocab, seed=seed)
         filters[0][: batch // 4] = 50  # the benchmark's setting on a quarter of the requests
         filters[1][: batch // 4] = 0.9
@@ -666,7 +666,7 @@ def test_gpu_back_to_back_filtered_calls_keep_counters_clean():
     """Filtered and unfiltered launches of varying shapes in a row (the per-row counters reset)."""
     agree = 0
     for i in range(30):
-        vocab = [7, 4097, 32000][i % 3]
+        vocab = [4097, 7000][i % 2]  # one CHUNKS_PAD: 4 kernel variants to compile, not 12
         batch = 1 + (i * 7) % 40
         args = random_batch(batch, 1 + i % 5, vocab, draft_probs=i % 2 == 0, seed=i, device="cuda")
         filters = [f.cuda() for f in random_filters(batch, vocab, seed=i)] if i % 3 != 1 else [None] * 3
