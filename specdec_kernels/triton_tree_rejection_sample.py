@@ -26,6 +26,7 @@ from . import triton_rejection_sample as _chain
 from .triton_filters import filter_workspace_sizes
 from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, for tools; launches read _chain's)
     FILTER_CAP,
+    FILTER_PIVOT_ACCUMULATE,
     FILTER_PIVOT_TILE,
     FILTER_PIVOTS,
     FILTER_TILE,
