@@ -30,7 +30,6 @@ Writes <out>/bench_filters.csv (card, versions and commit on every row) and <out
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -41,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
 from specdec_kernels import triton_rejection_sample as trs  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
-    DTYPES, copy_bandwidth, floor_us, make_inputs, time_eager, time_graph, versions)
+    DTYPES, copy_bandwidth, floor_us, make_inputs, time_eager, time_graph, versions, write_csv)
 
 FILTER_SETTINGS = {
     # name: (top_k, top_p, min_p); None = the argument not passed
@@ -213,10 +212,7 @@ def main():
                 del sets
                 torch.cuda.empty_cache()
 
-    with open(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.csv"), rows)
     lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
              f"triton {info['triton']}, commit {info['commit']}. K = {k}, V = {args.vocab}. Times in us; graph = GPU time per call in a "
              "CUDA graph; (x) = graph time over the unfiltered Triton graph time (the bar: <= 2x for k50 p0.9).", "",

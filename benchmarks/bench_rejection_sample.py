@@ -50,6 +50,14 @@ ANCHORS_H200 = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
+def write_csv(path: str, rows: list[dict]) -> None:
+    """The rows as CSV, columns in the order of their first appearance."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a device-to-device copy (read + write), median of do_bench."""
     n = 1 << 29  # 2 GiB of fp32
@@ -199,10 +207,7 @@ def main():
         torch.cuda.empty_cache()
 
     csv_path = os.path.join(args.out, "bench_rejection_sample.csv")
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(csv_path, rows)
     table = markdown_table(rows, info, bandwidth)
     with open(os.path.join(args.out, "bench_rejection_sample.md"), "w") as f:
         f.write(table)

@@ -20,7 +20,6 @@ No reference is run: only the kernels are timed. Writes <out>/bench_tree_rejecti
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
 import sys
@@ -29,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
-from bench_rejection_sample import DTYPES, copy_bandwidth, time_eager, time_graph, versions  # noqa: E402
+from bench_rejection_sample import (  # noqa: E402
+    DTYPES, copy_bandwidth, time_eager, time_graph, versions, write_csv)
 from specdec_kernels import ops  # noqa: E402
 
 # Draft-tree shapes (parents, local indices, parent < child): EAGLE / Medusa-like trees that
@@ -169,10 +169,7 @@ def main():
         del sets
         torch.cuda.empty_cache()
 
-    with open(os.path.join(args.out, "bench_tree_rejection_sample.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(args.out, "bench_tree_rejection_sample.csv"), rows)
     table = markdown_table(rows, info, bandwidth)
     with open(os.path.join(args.out, "bench_tree_rejection_sample.md"), "w") as f:
         f.write(table)
