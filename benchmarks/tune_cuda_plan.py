@@ -1,10 +1,11 @@
 """Sweep the CUDA kernels' work decomposition (units per resident CTA) on the bar shapes.
 
 The CUDA plans split every target row into about `units_per_slot x resident CTAs / rows` work
-units (csrc/kernels/*.cuh, plan_*). SPECDEC_CUDA_UNITS_PER_SLOT overrides the default at
-every call, so one process can time several plans: this script does that for the chain op
-(K = 4) and the tree op (64-node depth-6 trees), graph-timed like bench_rejection_sample.py,
-and writes tune_cuda_plan.csv. Also used to hand `--profile-one` shapes to ncu:
+units (csrc/kernels/*.cuh, plan_*). SPECDEC_CUDA_UNITS_PER_SLOT overrides the default; the
+extension reads it once per process, so this script times each value in a child process of
+its own, for the chain op (K = 4) and the tree op (64-node depth-6 trees), graph-timed like
+bench_rejection_sample.py, and writes tune_cuda_plan.csv. Also used to hand `--profile-one`
+shapes to ncu:
 
     python benchmarks/tune_cuda_plan.py --out gpu_out
     ncu --clock-control none -k regex:rejection_sample --launch-skip 1 --launch-count 1 \
@@ -15,7 +16,9 @@ and writes tune_cuda_plan.csv. Also used to hand `--profile-one` shapes to ncu:
 import argparse
 import csv
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -49,6 +52,7 @@ def main():
                     "chain,128,bf16,none;chain,32,fp32,fp32;chain,128,fp32,fp32;tree,1,bf16,none;tree,32,bf16,none")
     ap.add_argument("--profile-one", default=None,
                     help="op,B,dtype,probs[,backend]: three eager calls (for ncu), no timing")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # times one value, set in the env
     args = ap.parse_args()
     if args.profile_one:
         op, b, dtype, probs, *backend = args.profile_one.split(",")
@@ -58,6 +62,18 @@ def main():
         torch.cuda.synchronize()
         return
     os.makedirs(args.out, exist_ok=True)
+    if not args.child:  # one child process per value: the extension reads the knob once
+        rows = []
+        for ups in args.units_per_slot.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--out", tmp,
+                                "--vocab", str(args.vocab), "--units-per-slot", ups, "--shapes", args.shapes],
+                               env=dict(os.environ, SPECDEC_CUDA_UNITS_PER_SLOT=ups), check=True)
+                with open(os.path.join(tmp, "tune_cuda_plan.csv"), newline="") as f:
+                    rows += list(csv.DictReader(f))
+        chain_bench.write_csv(os.path.join(args.out, "tune_cuda_plan.csv"), rows)
+        return
+    ups = args.units_per_slot
     info = chain_bench.versions()
     bandwidth = chain_bench.copy_bandwidth()
     rows = []
@@ -68,22 +84,15 @@ def main():
         n_sets = max(2, min(16, int(4e9 // per_set)))
         fns = [make(op, batch, dtype, has_probs, s, args.vocab) for s in range(n_sets)]
         fl = floor(op, batch, dtype, has_probs, args.vocab, bandwidth)
-        for ups in args.units_per_slot.split(","):
-            os.environ["SPECDEC_CUDA_UNITS_PER_SLOT"] = ups
-            us = chain_bench.time_graph(fns)
-            rows.append(dict(info, op=op, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
-                             units_per_slot=int(ups), floor_us=round(fl, 2), graph_us=round(us, 2),
-                             graph_over_floor=round(us / fl, 3)))
-            print(f"{op:5s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>2s}: "
-                  f"{us:8.1f} us  floor {fl:7.1f}  ({us / fl:5.2f}x)", flush=True)
-        os.environ.pop("SPECDEC_CUDA_UNITS_PER_SLOT", None)
+        us = chain_bench.time_graph(fns)
+        rows.append(dict(info, op=op, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
+                         units_per_slot=int(ups), floor_us=round(fl, 2), graph_us=round(us, 2),
+                         graph_over_floor=round(us / fl, 3)))
+        print(f"{op:5s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>2s}: "
+              f"{us:8.1f} us  floor {fl:7.1f}  ({us / fl:5.2f}x)", flush=True)
         del fns
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "tune_cuda_plan.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
+    chain_bench.write_csv(os.path.join(args.out, "tune_cuda_plan.csv"), rows)
 
 if __name__ == "__main__":
     main()
