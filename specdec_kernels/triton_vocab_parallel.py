@@ -95,6 +95,20 @@ def _shard_row_stats(base, n, inv_t, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _store_segment_stats(stats_ptr, i, S, sg, seg_base, count, inv_t, col0, lo, vocab_size, BLOCK: tl.constexpr):
+    """Segment sg of row i (count logits at seg_base, shard column col0) -> stats[i, 3 sg : 3 sg
+    + 3] = (max, sum, first argmax as a global id, vocab_size: none); returns the row's stats
+    pointer (collective 1's payload, [3 S + 2] per row)."""
+    m, total, arg = _shard_row_stats(seg_base, count, inv_t, BLOCK)
+    arg = tl.where(m > float("-inf"), arg + lo + col0, vocab_size)
+    out = stats_ptr + i.to(tl.int64) * (3 * S + 2)
+    tl.store(out + 3 * sg, m)
+    tl.store(out + 3 * sg + 1, total)
+    tl.store(out + 3 * sg + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
+    return out
+
+
+@triton.jit
 def _inv_temperature(temperature_ptr, b, HAS_TEMP: tl.constexpr):
     """(1 / T, greedy) of request b: T = 1 without temperatures, greedy where not T > 0."""
     if HAS_TEMP:
@@ -128,12 +142,7 @@ def _chain_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, d
     base = logits_ptr + tl.where(row_ok, row, 0) * l_stride
     start = sg * seg
     count = tl.where(row_ok, tl.minimum(tl.maximum(n_cols - start, 0), seg), 0)
-    m, total, arg = _shard_row_stats(base + start, count, inv_t, BLOCK)
-    arg = tl.where(m > float("-inf"), arg + lo + start, vocab_size)
-    out = stats_ptr + i.to(tl.int64) * (3 * S + 2)
-    tl.store(out + 3 * sg, m)
-    tl.store(out + 3 * sg + 1, total)
-    tl.store(out + 3 * sg + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
+    out = _store_segment_stats(stats_ptr, i, S, sg, base + start, count, inv_t, start, lo, vocab_size, BLOCK)
     if sg == 0:
         d = cu_lo + t
         d_ok = (t < n) & (d >= 0) & (d < N)
@@ -599,12 +608,8 @@ def _tree_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, to
     inv_t, _ = _inv_temperature(temperature_ptr, tl.minimum(owner, B - 1), HAS_TEMP)
     col0 = sg * seg
     count = tl.minimum(tl.maximum(n_cols - col0, 0), seg)
-    m, total, arg = _shard_row_stats(logits_ptr + i.to(tl.int64) * l_stride + col0, count, inv_t, BLOCK)
-    arg = tl.where(m > float("-inf"), arg + lo + col0, vocab_size)
-    out = stats_ptr + i.to(tl.int64) * (3 * S + 2)
-    tl.store(out + 3 * sg, m)
-    tl.store(out + 3 * sg + 1, total)
-    tl.store(out + 3 * sg + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
+    out = _store_segment_stats(stats_ptr, i, S, sg, logits_ptr + i.to(tl.int64) * l_stride + col0, count, inv_t,
+                               col0, lo, vocab_size, BLOCK)
     if sg == 0:
         loc = i - start
         par = tl.load(parents_ptr + i).to(tl.int64)
