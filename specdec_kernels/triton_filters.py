@@ -190,11 +190,13 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
     is reduced (two cross-warp round trips and barriers per tile, which makes a pass over a
     whole row -- top-p alone on a flat row -- latency-bound)."""
     piv = _pivots(lo, hi, scale, PIVOTS)
-    acc_cnt = tl.zeros([TILE * CHUNK, PIVOTS], tl.int32)
-    acc_mass = tl.zeros([TILE * CHUNK, PIVOTS], tl.float32)
+    if ACCUMULATE:
+        acc_cnt = tl.zeros([TILE * CHUNK, PIVOTS], tl.int32)
+        acc_mass = tl.zeros([TILE * CHUNK, PIVOTS], tl.float32)
+    else:
+        cnt = tl.zeros([PIVOTS], tl.int32)
+        mass = tl.zeros([PIVOTS], tl.float32)
     acc_in = tl.zeros([TILE * CHUNK], tl.int32)
-    cnt = tl.zeros([PIVOTS], tl.int32)
-    mass = tl.zeros([PIVOTS], tl.float32)
     chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
     raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
     chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)

@@ -57,9 +57,14 @@ FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
 FILTER_PIVOTS = 16
 
 
-def filter_launch_options(has_filters: bool) -> dict:
-    """Extra launch options of a kernel variant: the register cap of the filtered ones."""
-    return {"maxnreg": FILTER_MAXNREG} if has_filters and FILTER_MAXNREG > 0 else {}
+def filter_launch_kwargs(has_filters: bool) -> dict:
+    """The filter knobs as the chain and tree kernels take them (constexprs read at launch, so a
+    benchmark may change them between calls), and the register cap of the filtered variants."""
+    kwargs = dict(FILTER_CAP=FILTER_CAP, FILTER_TILE=FILTER_TILE, FILTER_PIVOT_TILE=FILTER_PIVOT_TILE,
+                  FILTER_PIVOTS=FILTER_PIVOTS, FILTER_PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE)
+    if has_filters and FILTER_MAXNREG > 0:
+        kwargs["maxnreg"] = FILTER_MAXNREG
+    return kwargs
 
 
 @triton.jit
@@ -752,12 +757,7 @@ def rejection_sample_triton(
         HAS_TOP_K=top_k is not None,
         HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None,
-        FILTER_CAP=FILTER_CAP,
-        FILTER_TILE=FILTER_TILE,
-        FILTER_PIVOT_TILE=FILTER_PIVOT_TILE,
-        FILTER_PIVOTS=FILTER_PIVOTS,
-        FILTER_PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
         num_warps=NUM_WARPS,
-        **filter_launch_options(has_filters),
+        **filter_launch_kwargs(has_filters),
     )
     return out_tokens, num_accepted

@@ -458,8 +458,7 @@ def tree_rejection_sample_triton(
     # Sampling filters: per node row a threshold, Z_t, a bracket buffer, a chunk list, a counter.
     has_filters = top_k is not None or top_p is not None or min_p is not None
     filter_rows = N if has_filters else 0
-    cap = _chain.FILTER_CAP
-    flt_f32, flt_i32 = filter_workspace_sizes(filter_rows, num_chunks, cap)
+    flt_f32, flt_i32 = filter_workspace_sizes(filter_rows, num_chunks, _chain.FILTER_CAP)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1 + filter_rows)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
@@ -492,11 +491,9 @@ def tree_rejection_sample_triton(
         CHUNK=SAMPLE_CHUNK, GROUP=GROUP, NODE_BLOCK=NODE_BLOCK, CU_BLOCK=CU_BLOCK,
         STREAM_ACCEPT=STREAM_ACCEPT, STREAM_SAMPLE=STREAM_SAMPLE,
         HAS_FILTERS=has_filters, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        HAS_MIN_P=min_p is not None, FILTER_CAP=cap, FILTER_TILE=_chain.FILTER_TILE,
-        FILTER_PIVOT_TILE=_chain.FILTER_PIVOT_TILE, FILTER_PIVOTS=_chain.FILTER_PIVOTS,
-        FILTER_PIVOT_ACCUMULATE=_chain.FILTER_PIVOT_ACCUMULATE,
+        HAS_MIN_P=min_p is not None,
         num_warps=NUM_WARPS,
-        **_chain.filter_launch_options(has_filters),
+        **_chain.filter_launch_kwargs(has_filters),
     )
     return out_tokens, out_nodes, num_accepted
 
