@@ -52,6 +52,7 @@ NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths (``ma
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -653,19 +654,31 @@ def _check_max_children(parents: torch.Tensor, cu_num_nodes: torch.Tensor, max_c
                          "children: the residual rounds would stop early and give wrong tokens")
 
 
-def _widest_node(tokens, parents, cu_num_nodes, vocab_size: int) -> int:
-    """The most tested children of any node (the torch path's n_children.max()); syncs."""
+class _TreeLinks(NamedTuple):
+    """A batch's tree structure under the reference's rules for malformed links, sync-free."""
+    cu: torch.Tensor        # [B + 1] sanitized offsets: clamp(running max of cu, 0, N)
+    g: torch.Tensor         # [N] global node index
+    owner: torch.Tensor     # [N] request of each node (B past cu[-1])
+    local: torch.Tensor     # [N] index within the request
+    x: torch.Tensor         # [N] tokens, int64
+    child: torch.Tensor     # [N] a tested child that can be accepted (valid link and token)
+    par_g: torch.Tensor     # [N] global parent of a child, N otherwise
+    n_children: torch.Tensor  # [N] valid children of each node
+
+
+def _tree_links(tokens, parents, cu_num_nodes, vocab_size: int) -> _TreeLinks:
     n = parents.shape[0]
     cu = cu_num_nodes.to(torch.int64).clamp(0, n)
     cu = torch.maximum(cu, torch.cummax(cu, 0).values)
     g = torch.arange(n, device=parents.device)
     owner = torch.searchsorted(cu[1:], g, right=True)
-    local = g - cu[owner.clamp(max=cu.shape[0] - 1)]
+    local = g - cu[owner]
     par, x = parents.to(torch.int64), tokens.to(torch.int64)
     child = (local > 0) & (par >= 0) & (par < local) & (owner < cu.shape[0] - 1) & (x >= 0) & (x < vocab_size)
-    counts = torch.zeros(n + 1, dtype=torch.int64, device=parents.device).scatter_add_(
-        0, torch.where(child, cu[owner.clamp(max=cu.shape[0] - 1)] + par, n), child.to(torch.int64))[:n]
-    return int(counts.max())
+    par_g = torch.where(child, cu[owner] + par, n)
+    n_children = torch.zeros(n + 1, dtype=torch.int64, device=parents.device).scatter_add_(
+        0, par_g, child.to(torch.int64))[:n]
+    return _TreeLinks(cu, g, owner, local, x, child, par_g, n_children)
 
 
 def _tree_fused(logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets, D, rounds, lo, hi,
@@ -827,8 +840,8 @@ def tree_rejection_sample_vocab_parallel(
     offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
     if _use_fused_tree(target_logits, cd) and target_logits.stride(1) == 1 and \
             (draft_probs is None or draft_probs.stride(1) == 1):
-        if draft_probs is not None and max_children is None:
-            max_children = _widest_node(tokens, parents, cu_num_nodes, vocab_size)
+        if draft_probs is not None and max_children is None:  # the most tested children of a node; syncs
+            max_children = int(_tree_links(tokens, parents, cu_num_nodes, vocab_size).n_children.max())
         rounds = max(int(max_children) - 1, 0) if draft_probs is not None else 0
         return _tree_fused(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, D,
                            rounds, lo, hi, vocab_size, group)
@@ -837,17 +850,8 @@ def tree_rejection_sample_vocab_parallel(
     path = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
 
     # ---- tree structure (the reference's rules for malformed links), sync-free ----------------
-    cu = cu_num_nodes.to(torch.int64).clamp(0, N)
-    cu = torch.maximum(cu, torch.cummax(cu, 0).values)
-    g = torch.arange(N, device=device)
-    owner = torch.searchsorted(cu[1:], g, right=True)
-    local = g - cu[owner]
+    cu, g, owner, local, x, child, par_g, n_children = _tree_links(tokens, parents, cu_num_nodes, vocab_size)
     req = owner.clamp(max=B - 1)  # request of each node (nodes past cu[-1] are never reached)
-    par = parents.to(torch.int64)
-    linked = (local > 0) & (par >= 0) & (par < local) & (owner < B)
-    x = tokens.to(torch.int64)
-    child = linked & (x >= 0) & (x < vocab_size)  # tested children that can be accepted
-    par_g = torch.where(child, cu[owner] + par, N)  # N: no (valid) parent
     pr = par_g.clamp(max=N - 1)
     temp = (torch.ones(B, device=device) if temperature is None else temperature).to(cd)
     greedy = ~(temp > 0)
@@ -885,8 +889,6 @@ def tree_rejection_sample_vocab_parallel(
     q_x = torch.where(child & (lx > _NEG_INF) & (m_par > _NEG_INF),
                       ((lx - torch.where(m_par > _NEG_INF, m_par, 0.0)) * inv_t).exp() / s_par.clamp(min=tiny), 0.0)
     u = uniform_from_word(_philox01(seeds[req], offsets[req], STREAM_ACCEPT, local, torch.zeros_like(local))[0], cd)
-    n_children = torch.zeros(N + 1, dtype=torch.int64, device=device).scatter_add_(
-        0, par_g, child.to(torch.int64))[:N]  # valid children of each node
     if draft_probs is not None:
         # a_j, N_j after j rejections at a node: a_0 = 0, N_0 = 1, a_{j+1} = a_j + N_j,
         # N_j = sum_x (q - a_j p)+ -- a global sum per round (docs/ALGORITHM.md §5).
