@@ -109,6 +109,20 @@ def _store_segment_stats(stats_ptr, i, S, sg, seg_base, count, inv_t, col0, lo, 
 
 
 @triton.jit
+def _fold_partials(g_max, g_sum, g_am, inv_t, vocab_size):
+    """Global (max, sum of exp((l - max) * inv_t), first argmax as int64, -1 without a valid
+    logit) of rows from their W x S segment partials along axis 0 (1-D: one row; 2-D: a column
+    per row), as gathered from collective 1."""
+    m_keep = tl.max(g_max, 0, keep_dims=True)
+    live = g_max > float("-inf")
+    shift = tl.where(m_keep > float("-inf"), m_keep, 0.0)
+    row_sum = tl.sum(tl.where(live, g_sum * tl.exp((g_max - shift) * inv_t), 0.0), 0)
+    argmax = tl.min(tl.where(live & (g_max == m_keep), g_am, vocab_size * 1.0), 0).to(tl.int64)
+    row_max = tl.max(g_max, 0)
+    return row_max, row_sum, tl.where(row_max > float("-inf"), argmax, -1)
+
+
+@triton.jit
 def _inv_temperature(temperature_ptr, b, HAS_TEMP: tl.constexpr):
     """(1 / T, greedy) of request b: T = 1 without temperatures, greedy where not T > 0."""
     if HAS_TEMP:
@@ -175,15 +189,10 @@ def _chain_decision(gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr,
     ws = tl.arange(0, WS_PAD)  # (rank, segment) pairs in vocabulary order
     ok = (ws[:, None] < W * S) & (t[None, :] <= L)
     ptr = gathered_ptr + (((ws // S)[:, None].to(tl.int64) * B + b) * (L + 1) + t[None, :]) * F + 3 * (ws % S)[:, None]
-    g_max = tl.load(ptr, mask=ok, other=float("-inf"))
-    g_sum = tl.load(ptr + 1, mask=ok, other=0.0)
-    g_am = tl.load(ptr + 2, mask=ok, other=0.0)
-    row_max = tl.max(g_max, 0)
+    row_max, row_sum, argmax = _fold_partials(tl.load(ptr, mask=ok, other=float("-inf")),
+                                              tl.load(ptr + 1, mask=ok, other=0.0),
+                                              tl.load(ptr + 2, mask=ok, other=0.0), inv_t, vocab_size)
     shift = tl.where(row_max > float("-inf"), row_max, 0.0)
-    live = g_max > float("-inf")
-    row_sum = tl.sum(tl.where(live, g_sum * tl.exp((g_max - shift[None, :]) * inv_t), 0.0), 0)
-    argmax = tl.min(tl.where(live & (g_max == row_max[None, :]), g_am, vocab_size * 1.0), 0).to(tl.int64)
-    argmax = tl.where(row_max > float("-inf"), argmax, -1)
     w = tl.arange(0, W_PAD)
     okw = (w[:, None] < W) & (t[None, :] <= L)
     ptr_x = gathered_ptr + ((w[:, None].to(tl.int64) * B + b) * (L + 1) + t[None, :]) * F + 3 * S
@@ -505,15 +514,8 @@ def _fold_row(gathered_ptr, row, N, W, S, inv_t, vocab_size, WS_PAD: tl.constexp
     ws = tl.arange(0, WS_PAD)
     ok = ws < W * S
     ptr = gathered_ptr + ((ws // S).to(tl.int64) * N + row) * (3 * S + 2) + 3 * (ws % S)
-    g_max = tl.load(ptr, mask=ok, other=float("-inf"))
-    g_sum = tl.load(ptr + 1, mask=ok, other=0.0)
-    g_am = tl.load(ptr + 2, mask=ok, other=0.0)
-    row_max = tl.max(g_max, 0)
-    shift = tl.where(row_max > float("-inf"), row_max, 0.0)
-    live = g_max > float("-inf")
-    row_sum = tl.sum(tl.where(live, g_sum * tl.exp((g_max - shift) * inv_t), 0.0), 0)
-    argmax = tl.min(tl.where(live & (g_max == row_max), g_am, vocab_size * 1.0), 0).to(tl.int64)
-    return row_max, row_sum, tl.where(row_max > float("-inf"), argmax, -1)
+    return _fold_partials(tl.load(ptr, mask=ok, other=float("-inf")), tl.load(ptr + 1, mask=ok, other=0.0),
+                          tl.load(ptr + 2, mask=ok, other=0.0), inv_t, vocab_size)
 
 
 @triton.jit
