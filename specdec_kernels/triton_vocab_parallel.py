@@ -339,13 +339,9 @@ def _chunk_race_kernel(totals_ptr, edges_ptr, race_ptr, state_i_ptr, seeds_ptr, 
     in_range = c < n_chunks
     tot = tl.load(totals_ptr + r.to(tl.int64) * n_chunks + c, mask=in_range, other=0.0)
     for w in tl.static_range(W_PAD):  # rank by rank, in the torch path's order of additions
-        other = (w < W) & (w != my_rank)
-        e = edges_ptr + (w * B2 + r).to(tl.int64) * 5
-        ef = tl.load(e, mask=other, other=-1.0).to(tl.int64)
-        el = tl.load(e + 2, mask=other, other=-1.0).to(tl.int64)
-        cnt = tl.load(e + 4, mask=other, other=0.0)
-        tot += tl.where(other & (cnt >= 1) & (chunk == ef), tl.load(e + 1, mask=other, other=0.0), 0.0)
-        tot += tl.where(other & (cnt >= 2) & (chunk == el), tl.load(e + 3, mask=other, other=0.0), 0.0)
+        first, last = _edge_masses(edges_ptr, w, B2, r, (w < W) & (w != my_rank), chunk)
+        tot += first
+        tot += last
     tl.store(totals_ptr + r.to(tl.int64) * n_chunks + c, tot, mask=in_range)
     owned = in_range & (chunk * CHUNK >= lo) & (chunk * CHUNK < hi)  # each chunk raced by one rank
     seed = tl.load(seeds_ptr + b).to(tl.int64)
@@ -359,6 +355,21 @@ def _chunk_race_kernel(totals_ptr, edges_ptr, race_ptr, state_i_ptr, seeds_ptr, 
     best_chunk = tl.where(best > float("-inf"), best_chunk, c_first)
     tl.store(race_ptr + r * 2, best)
     tl.store(race_ptr + r * 2 + 1, best_chunk.to(tl.float64))
+
+
+@triton.jit
+def _edge_masses(edges_ptr, w, B2, r, include, chunk):
+    """What rank w's edge record of row r (first chunk, its mass, last chunk, its mass, count)
+    holds for ``chunk`` (a scalar or a vector of global chunk ids): (the first entry's mass, the
+    last entry's mass), 0 where it is another chunk or ``include`` is false. Two terms, so
+    callers add them in the torch path's order."""
+    e = edges_ptr + (w * B2 + r).to(tl.int64) * 5
+    ef = tl.load(e, mask=include, other=-1.0).to(tl.int64)
+    el = tl.load(e + 2, mask=include, other=-1.0).to(tl.int64)
+    cnt = tl.load(e + 4, mask=include, other=0.0)
+    first = tl.where(include & (cnt >= 1) & (chunk == ef), tl.load(e + 1, mask=include, other=0.0), 0.0)
+    last = tl.where(include & (cnt >= 2) & (chunk == el), tl.load(e + 3, mask=include, other=0.0), 0.0)
+    return first, last
 
 
 @triton.jit
@@ -379,13 +390,9 @@ def _race_winner(totals_ptr, edges_ptr, race_ptr, r, B2, W, my_rank, c_first, n_
                         mask=in_shard, other=0.0)
     before = tl.zeros([], tl.float32)  # the mass of the lower ranks' part of the winning chunk
     for v in tl.static_range(W_PAD):  # shards tile the vocabulary in rank order
-        lower = v < my_rank
-        e = edges_ptr + (v * B2 + r).to(tl.int64) * 5
-        ef = tl.load(e, mask=lower, other=-1.0).to(tl.int64)
-        el = tl.load(e + 2, mask=lower, other=-1.0).to(tl.int64)
-        cnt = tl.load(e + 4, mask=lower, other=0.0)
-        before += tl.where(lower & (cnt >= 1) & (ef == winner), tl.load(e + 1, mask=lower, other=0.0), 0.0)
-        before += tl.where(lower & (cnt >= 2) & (el == winner), tl.load(e + 3, mask=lower, other=0.0), 0.0)
+        first, last = _edge_masses(edges_ptr, v, B2, r, v < my_rank, winner)
+        before += first
+        before += last
     return winner, found, in_shard, win_total, before
 
 
