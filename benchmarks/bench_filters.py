@@ -38,7 +38,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
-from specdec_kernels import triton_rejection_sample as trs  # noqa: E402
+from specdec_kernels import triton_filters as tf  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
     DTYPES, copy_bandwidth, floor_us, make_inputs, time_eager, time_graph, versions, write_csv)
 
@@ -109,7 +109,7 @@ def main():
                     help=f"comma list of filter settings to time, of {list(FILTER_SETTINGS)}")
     ap.add_argument("--configs", default="bf16,fp32+draft", help=f"comma list of {list(CONFIGS)}")
     ap.add_argument("--knob-runs", default="",
-                    help="';'-separated sets of 'NAME=value' module knobs of triton_rejection_sample (FILTER_*), "
+                    help="';'-separated sets of 'NAME=value' module knobs of triton_filters (FILTER_*), "
                          "each timing every --settings entry")
     ap.add_argument("--no-sort", action="store_true", help="skip the sort-based baselines")
     ap.add_argument("--tag", default="", help="a label for this run: a CSV column and the files' suffix")
@@ -125,7 +125,7 @@ def main():
     cuda_built = specdec_kernels.available_backends()["cuda"] == "available"
     print(f"# {info['card']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; torch {info['torch']}, "
           f"triton {info['triton']}, commit {info['commit']}; CUDA kernel built: {cuda_built}; "
-          f"FILTER_CAP={trs.FILTER_CAP} FILTER_TILE={trs.FILTER_TILE}", flush=True)
+          f"FILTER_CAP={tf.FILTER_CAP} FILTER_TILE={tf.FILTER_TILE}", flush=True)
     k = args.k
     rows = []
     for scale in (float(s) for s in args.scale.split(",")):
@@ -171,17 +171,17 @@ def main():
                 knob_runs = [{}]
                 if args.knobs:
                     knob_runs += [dict(FILTER_CAP=cap, FILTER_TILE=tile) for cap in (64, 256, 512, 1024)
-                                  for tile in (4, 8, 16) if (cap, tile) != (trs.FILTER_CAP, trs.FILTER_TILE)]
+                                  for tile in (4, 8, 16) if (cap, tile) != (tf.FILTER_CAP, tf.FILTER_TILE)]
                 for spec in filter(None, (r.strip() for r in args.knob_runs.split(";"))):
                     knob_runs.append({n: int(v) for n, v in (kv.split("=") for kv in spec.split())})
                 base_graph = None
                 for knobs in knob_runs:
-                    saved = {n: getattr(trs, n) for n in knobs}
+                    saved = {n: getattr(tf, n) for n in knobs}
                     if knobs:
                         for n, v in knobs.items():
-                            if not hasattr(trs, n):
+                            if not hasattr(tf, n):
                                 raise SystemExit(f"unknown knob {n}")
-                            setattr(trs, n, type(getattr(trs, n))(v))
+                            setattr(tf, n, type(getattr(tf, n))(v))
                         label = " ".join(f"{n.removeprefix('FILTER_').lower()}={v}" for n, v in knobs.items())
                         chosen = settings if args.knob_runs else ["k50 p0.9"]
                         todo = [(f"triton {name} {label}",
@@ -197,7 +197,7 @@ def main():
                                 base_graph = graph
                             row = dict(info, tag=args.tag, variant=name, B=batch, K=k, V=args.vocab, logits_dtype=dtype,
                                        draft_probs="fp32" if probs else "none", logit_std=scale,
-                                       filter_cap=trs.FILTER_CAP, filter_tile=trs.FILTER_TILE,
+                                       filter_cap=tf.FILTER_CAP, filter_tile=tf.FILTER_TILE,
                                        floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
                                        graph_over_floor=round(graph / floor, 3),
                                        vs_unfiltered=round(graph / base_graph, 3) if base_graph else float("nan"),
@@ -208,7 +208,7 @@ def main():
                                   f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
                     finally:
                         for n, v in saved.items():
-                            setattr(trs, n, v)
+                            setattr(tf, n, v)
                 del sets
                 torch.cuda.empty_cache()
 

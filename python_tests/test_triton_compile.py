@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 SCRIPT = os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py")
 
 
-@pytest.mark.parametrize("kernel", ["chain", "tree", "vocab_parallel", "vocab_parallel_tree",
+@pytest.mark.parametrize("kernel", ["chain", "tree", "filters", "vocab_parallel", "vocab_parallel_tree",
                                     "vocab_parallel_tree_fused"])
 def test_triton_kernel_compiles_for_sm90(kernel):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

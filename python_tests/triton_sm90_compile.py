@@ -8,7 +8,7 @@ over its constexpr variants. ``test_triton_compile.py`` runs it in a subprocess,
 tests' process has TRITON_INTERPRET=1 set, under which ``triton.jit`` returns interpreted
 functions.
 
-    python python_tests/triton_sm90_compile.py chain|tree|vocab_parallel|vocab_parallel_tree|vocab_parallel_tree_fused
+    python python_tests/triton_sm90_compile.py chain|tree|filters|vocab_parallel|vocab_parallel_tree|vocab_parallel_tree_fused
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import sys
 KERNELS = {
     "chain": ("specdec_kernels.triton_rejection_sample", ["_rejection_sample_kernel"]),
     "tree": ("specdec_kernels.triton_tree_rejection_sample", ["_tree_rejection_sample_kernel"]),
+    "filters": ("specdec_kernels.triton_filters", ["_filter_stats_kernel", "_filter_threshold_kernel"]),
     "vocab_parallel": ("specdec_kernels.triton_vocab_parallel",
                        ["_chain_local_stats_kernel", "_chain_final_totals_kernel", "_chunk_race_kernel",
                         "_chunk_pick_kernel", "_chain_finish_kernel"]),
@@ -44,7 +45,8 @@ def pointer_type(module, name: str, logits_type: str, probs_type: str) -> str:
         return probs_type
     if name.startswith(("seeds", "offsets", "draft_ids", "tokens")):
         return "*i64"
-    if name.startswith(("temperature", "top_p", "min_p", "rec_m", "rec_s", "table", "residual_sum")):
+    if name.startswith(("temperature", "top_p", "min_p", "rec_m", "rec_s", "table", "residual_sum", "thr", "cmax",
+                        "buf")):
         return "*fp32"
     return "*i32"
 
@@ -54,6 +56,10 @@ def constexpr_value(module, name: str):
         return getattr(module, name)
     if name == "CHUNK":
         return module.SAMPLE_CHUNK
+    if hasattr(module, "FILTER_" + name):  # the threshold pass's knobs (triton_filters.py)
+        return getattr(module, "FILTER_" + name)
+    if name in ("GROUP", "CU_BLOCK"):
+        return {"GROUP": 8, "CU_BLOCK": 1024}[name]
     if name == "CHUNKS_PAD":
         return 512
     if name.endswith("_PAD"):
@@ -62,8 +68,8 @@ def constexpr_value(module, name: str):
 
 
 def flags(names: list[str]) -> list[str]:
-    """Boolean constexprs: HAS_* switches and *_VERIFY modes."""
-    return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY")]
+    """Boolean constexprs: HAS_* switches, *_VERIFY modes and the threshold pass's TREE."""
+    return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY") or n == "TREE"]
 
 
 def variants(flag_names: list[str]):

@@ -31,8 +31,14 @@ everything reads L2-resident data: the chunk table and the few chunks above the 
 """
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+from .philox import SAMPLE_CHUNK
+from .triton_tree_rejection_sample import _owner_request, _sanitized_cu
 
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 
@@ -291,74 +297,6 @@ def _read_off(s, e, n_b, lo, n_above, mass_above, by_mass, goal_count, goal_mass
 
 
 @triton.jit
-def _rewrite_table(row_ptr, m_c, in_table, table_m_row, table_w_row, list_ptr, vocab_size, t_key, row_max, k,
-                   excluded, CHUNK: tl.constexpr, TILE: tl.constexpr):
-    """Restrict the row's chunk table to the kept tokens (key >= t_key): W_c = sum over them of
-    exp2((l - m_c) k), ``excluded`` left out as in the stream, 0 for chunks with none; returns
-    Z_t = sum over the kept tokens of exp2((l - row_max) k) (``excluded`` included). One pass
-    over the chunks whose max is kept, pipelined as ``_gather``."""
-    c = tl.arange(0, m_c.shape[0])
-    hit = in_table & (_key(m_c) >= t_key)
-    tl.store(table_w_row + c, tl.zeros_like(m_c), mask=in_table & (hit == 0))
-    n_listed = _qualify(m_c, in_table, t_key, list_ptr)
-    thr = _unkey(t_key)
-    z = tl.zeros([], tl.float32)
-    chunk_cur, listed_cur = _list_tile(list_ptr, n_listed, 0, TILE)
-    raw_cur, offs_cur, ok_cur = _load_listed(row_ptr, chunk_cur, listed_cur, vocab_size, CHUNK)
-    m_cur = tl.load(table_m_row + chunk_cur, mask=listed_cur, other=0.0, cache_modifier=".cg")
-    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
-    for start in range(0, n_listed, TILE):
-        raw, offs, ok, chunk, listed, m_t = raw_cur, offs_cur, ok_cur, chunk_cur, listed_cur, m_cur
-        raw_cur, offs_cur, ok_cur = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
-        m_cur = tl.load(table_m_row + chunk_nxt, mask=listed_nxt, other=0.0, cache_modifier=".cg")
-        chunk_cur, listed_cur = chunk_nxt, listed_nxt
-        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
-        lg = _clean(raw.to(tl.float32))
-        m_safe = tl.where(listed & (m_t > float("-inf")), m_t, 0.0)
-        # exp2((l - m_c) k) of the kept tokens, one tile row per chunk.
-        kept = ok & (lg >= thr)
-        w = tl.where(kept, tl.exp2((lg - m_safe[:, None]) * k), 0.0)
-        total = tl.sum(w, 1)
-        z += tl.sum(tl.where(total > 0.0, total * tl.exp2((m_safe - row_max) * k), 0.0), 0)
-        w_out = tl.sum(tl.where(offs == excluded, 0.0, w), 1)
-        tl.store(table_w_row + chunk, w_out, mask=listed)
-    return z
-
-
-@triton.jit
-def _segment_sum(va, fa, vb, fb):
-    """Combine of a segmented inclusive sum over (value, starts a segment) pairs."""
-    return tl.where(fb, vb, va + vb), fa | fb
-
-
-@triton.jit
-def _rewrite_from_buffer(buf_ptr, idx_ptr, n_b, table_m_row, table_w_row, in_table, t_key, row_max, k,
-                         excluded, S: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """``_rewrite_table`` when the buffer holds every token with key >= t_key (a complete
-    bracket [lo, top) with lo <= t_key): the kept tokens and their chunks come from the buffer,
-    in index order, so a segmented sum gives each chunk's total without touching the row."""
-    i = tl.arange(0, S)
-    valid = i < n_b
-    v = tl.load(buf_ptr + i, mask=valid, other=float("-inf"))
-    idx = tl.load(idx_ptr + i, mask=valid, other=0)
-    kept = valid & (_key(v) >= t_key)
-    chunk = idx // CHUNK
-    m_k = tl.load(table_m_row + chunk, mask=kept, other=0.0, cache_modifier=".cg")
-    c = tl.arange(0, CHUNKS_PAD)
-    tl.store(table_w_row + c, tl.zeros([CHUNKS_PAD], tl.float32), mask=in_table)
-    w = tl.where(kept & (idx != excluded), tl.exp2((v - m_k) * k), 0.0)
-    z = tl.sum(tl.where(kept, tl.exp2((v - row_max) * k), 0.0), 0)
-    prev_chunk = tl.load(idx_ptr + i - 1, mask=valid & (i > 0), other=-CHUNK) // CHUNK
-    total, _ = tl.associative_scan((w, chunk != prev_chunk), 0, _segment_sum)
-    next_chunk = tl.load(idx_ptr + i + 1, mask=i + 1 < n_b, other=-CHUNK) // CHUNK
-    # Chunks with a kept token get their total (after the zeros: a CTA barrier orders them).
-    has_kept, _ = tl.associative_scan((kept.to(tl.int32), chunk != prev_chunk), 0, _segment_sum)
-    tl.debug_barrier()
-    tl.store(table_w_row + chunk, total, mask=valid & (next_chunk != chunk) & (has_kept > 0))
-    return z
-
-
-@triton.jit
 def _chunk_bound(m_c, in_table, row_max, k, by_mass, goal_count, goal_mass, PIVOTS: tl.constexpr):
     """A lower bound (key) on the answer from the chunk maxima alone: each is a distinct token,
     so a v with count(m_c >= v) >= goal_count (or mass of those maxima >= goal_mass) has
@@ -406,23 +344,22 @@ def _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, S:
 
 
 @triton.jit
-def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max, row_sum, k,
-                top_k, top_p, min_p, excluded, vocab_size, num_chunks,
-                CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
-                PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr):
-    """(threshold t, Z_t) of one row of a filtered request, its chunk table restricted to l >= t.
+def _row_threshold(row_ptr, cmax_row, scratch_ptr, buf_ptr, row_max, row_sum, k, top_k, top_p, min_p,
+                   vocab_size, num_chunks, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
+                   TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr,
+                   PIVOT_ACCUMULATE: tl.constexpr):
+    """The threshold logit t of one row of a filtered request: the row keeps exactly l >= t.
 
-    row_max / row_sum: the row's max and sum of exp2((l - max) k) from the stream; top_k (int32,
-    clamped to [-1, V]), top_p, min_p: the request's filters. A row without a valid logit keeps
-    t = -inf and its sum. Brackets of up to SMALL tokens are sorted at that size. scratch_ptr:
-    this row's int32 scratch, CHUNKS_PAD + CAP entries (the chunk list, then the bracket's
-    vocabulary indices); buf_ptr: its CAP float32 entries (the bracket's values).
+    row_max / row_sum: the row's max and sum of exp2((l - max) k) (``_stream_row_stats``);
+    cmax_row: its chunk maxima; top_k (int32, clamped to [-1, V]), top_p, min_p: the request's
+    filters. -inf for a row without a valid logit. Brackets of up to SMALL tokens are sorted at
+    that size. scratch_ptr: this row's int32 scratch, CHUNKS_PAD + CAP entries (the chunk list,
+    then the bracket's vocabulary indices); buf_ptr: its CAP float32 entries (the bracket's values).
     """
     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
     list_ptr = scratch_ptr
     idx_ptr = scratch_ptr + CHUNKS_PAD
     t_key = tl.full([], KEY_NEG_INF, tl.int32)
-    z = row_sum
     if row_max > float("-inf"):
         k_on = (top_k > 0) & (top_k < vocab_size)
         p_on = top_p < 1.0
@@ -433,7 +370,7 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
             t_mp = _min_p_key(row_max, k, tl.log2(mp))
         c = tl.arange(0, CHUNKS_PAD)
         in_table = c < num_chunks
-        m_c = tl.load(table_m_row + c, mask=in_table, other=float("-inf"), cache_modifier=".cg")
+        m_c = tl.load(cmax_row + c, mask=in_table, other=float("-inf"), cache_modifier=".cg")
         # A typical spread of the row's logits, for pivots below an open bracket.
         scale = tl.maximum(row_max - tl.min(tl.where(in_table & (m_c > float("-inf")), m_c, row_max), 0), 1.0)
         # top-k: the k-th largest logit; Z_k the mass of what it keeps.
@@ -443,11 +380,6 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
         p_done = p_on == 0
         hi = top
         mass_above = tl.zeros([], tl.float32)
-        # The buffer holds every token with key >= buf_lo (buf_n of them) when complete: the
-        # table is then rewritten from it instead of from the row.
-        complete = tl.zeros([], tl.int32) > 0
-        buf_lo = top
-        buf_n = tl.zeros([], tl.int32)
         if k_on:
             lo0 = _chunk_bound(m_c, in_table, row_max, k, False, top_k, 0.0, PIVOTS)
             if not p_on:
@@ -455,9 +387,6 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
             lo, hi, n_above, mass_above, n_b = _search(
                 row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
                 False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
-            complete = (hi == top) & (n_b <= CAP)
-            buf_lo = lo
-            buf_n = n_b
             if n_b <= SMALL:
                 t_k, z_k, t_p, p_here = _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p,
                                                        p_on, row_max, k, SMALL)
@@ -484,9 +413,6 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
             lo, hi, n_above, mass_above, n_b = _search(
                 row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
                 True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
-            complete = (hi == top) & (n_b <= CAP)
-            buf_lo = lo
-            buf_n = n_b
             if n_b <= SMALL:
                 t_p = _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, SMALL)
             elif n_b <= CAP:
@@ -495,26 +421,196 @@ def _row_filter(row_ptr, table_m_row, table_w_row, scratch_ptr, buf_ptr, row_max
                 t_p = lo
         # Every filter keeps the row's max; the clamp only guards against float surprises.
         t_key = tl.minimum(tl.maximum(tl.maximum(t_k, t_p), t_mp), top - 1)
-        if complete & (t_key >= buf_lo):
-            if buf_n <= SMALL:
-                z = _rewrite_from_buffer(buf_ptr, idx_ptr, buf_n, table_m_row, table_w_row, in_table, t_key,
-                                         row_max, k, excluded, SMALL, CHUNKS_PAD, CHUNK)
-            else:
-                z = _rewrite_from_buffer(buf_ptr, idx_ptr, buf_n, table_m_row, table_w_row, in_table, t_key,
-                                         row_max, k, excluded, CAP, CHUNKS_PAD, CHUNK)
-        else:
-            z = _rewrite_table(row_ptr, m_c, in_table, table_m_row, table_w_row, list_ptr, vocab_size, t_key,
-                               row_max, k, excluded, CHUNK, TILE)
-    return _unkey(t_key), z
+    return _unkey(t_key)
 
 
-def filter_workspace_sizes(rows: int, num_chunks: int, cap: int) -> tuple[int, int]:
-    """(float32 entries, int32 entries) of the per-row filter scratch: threshold, Z_t and the
-    CAP-entry bracket buffer's values in float32; the chunk list (padded to a power of 2) and
-    the bracket's vocabulary indices in int32 (``filter_scratch_stride`` per row)."""
-    return rows * (2 + cap), rows * filter_scratch_stride(num_chunks, cap)
+# --------------------------------------------------------------------------- threshold pass
+
+# Tuning knobs, read at each launch (a benchmark may change them between calls;
+# benchmarks/bench_filters.py --knob-runs): the bracket buffer (tokens sorted in registers; more
+# means fewer counting passes), chunks per tile of the gather passes and of the counting passes,
+# whether a counting pass accumulates its comparisons element-wise (one reduction per pass) or
+# reduces per tile, pivots per counting pass. Powers of 2. FILTER_MAXNREG caps the registers of
+# the search kernel (0: Triton's choice); FILTER_WARPS its warps.
+FILTER_CAP = int(os.environ.get("SPECDEC_TRITON_FILTER_CAP", "512"))
+FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
+FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "1"))
+FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "1") == "1"
+FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
+FILTER_WARPS = int(os.environ.get("SPECDEC_TRITON_FILTER_WARPS", "4"))
+FILTER_PIVOTS = 16
 
 
-def filter_scratch_stride(num_chunks: int, cap: int) -> int:
-    """int32 scratch entries per row: CHUNKS_PAD (the chunk list) + CAP (bracket indices)."""
-    return triton.next_power_of_2(max(num_chunks, 1)) + cap
+@triton.jit
+def _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr, HAS_TOP_K: tl.constexpr,
+                     HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """Request b's (top_k clamped to [-1, V], top_p, min_p, filtered): only random requests with
+    a filter on are filtered (greedy ones ignore the filters)."""
+    top_k = tl.zeros([], tl.int32)
+    top_p = tl.full([], 1.0, tl.float32)
+    min_p = tl.zeros([], tl.float32)
+    if HAS_TOP_K:
+        top_k = tl.minimum(tl.maximum(tl.load(top_k_ptr + b).to(tl.int64), -1), vocab_size).to(tl.int32)
+    if HAS_TOP_P:
+        top_p = tl.load(top_p_ptr + b).to(tl.float32)
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + b).to(tl.float32)
+    filtered = (not greedy) & (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0))
+    return top_k, top_p, min_p, filtered
+
+
+@triton.jit
+def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, TREE: tl.constexpr,
+              HAS_TEMPERATURE: tl.constexpr, CU_BLOCK: tl.constexpr):
+    """The target row of a threshold slot as the verification kernel maps it: (request b, row,
+    valid, k = log2(e) / T, greedy). Chain: slot = b * (max_spec_len + 1) + t, row = cu[b] + b + t
+    for t <= n (max_rows = max_spec_len + 1); tree: slot = node row, b its owner under the
+    sanitized offsets."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if TREE:
+        row = slot.to(tl.int64)
+        b = _owner_request(cu_ptr, row, num_requests, CU_BLOCK)
+        cu_lo = _sanitized_cu(cu_ptr, b, num_requests, num_rows, CU_BLOCK)
+        n = _sanitized_cu(cu_ptr, b + 1, num_requests, num_rows, CU_BLOCK) - cu_lo
+        valid = (b < num_requests) & (row >= cu_lo) & (row < cu_lo + n)
+    else:
+        b = slot // max_rows
+        t = slot % max_rows
+        cu_lo = tl.load(cu_ptr + b).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_rows - 1)
+        row = cu_lo + b + t
+        valid = (t <= n) & (row >= 0) & (row < num_rows)
+    if HAS_TEMPERATURE:
+        temp = tl.load(temperature_ptr + b, mask=b < num_requests, other=1.0).to(tl.float32)
+    else:
+        temp = tl.full([], 1.0, tl.float32)
+    greedy = not (temp > 0.0)
+    return b, row, valid, tl.where(greedy, LOG2E, LOG2E / temp), greedy
+
+
+@triton.jit
+def _filter_stats_kernel(
+    logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    rec_m_ptr, rec_s_ptr, cmax_ptr,
+    num_requests, num_rows, vocab_size, max_rows, num_splits, groups_per_split, num_groups, num_chunks,
+    TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr, CU_BLOCK: tl.constexpr,
+):
+    """Threshold pass, step 1: one program per (slot, split) of a filtered row streams its split
+    once and writes every chunk's max (cmax, per slot) and the split's (max, sum of
+    exp2((l - max) k)) record. Unfiltered slots do nothing."""
+    unit = tl.program_id(0)
+    slot = unit // num_splits
+    s_idx = unit % num_splits
+    b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
+                                         TREE, HAS_TEMPERATURE, CU_BLOCK)
+    filtered = tl.zeros([], tl.int1)
+    if valid:
+        _, _, _, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
+                                             HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+    if filtered:
+        row_ptr = logits_ptr + row * logits_row_stride
+        cmax_row = cmax_ptr + slot.to(tl.int64) * num_chunks
+        chunk_in_group = tl.arange(0, GROUP)
+        tile_lane = chunk_in_group[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        g_lo = s_idx * groups_per_split
+        g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+        m_vec = tl.full([GROUP], float("-inf"), tl.float32)
+        s_vec = tl.zeros([GROUP], tl.float32)
+        offs = g_lo * (GROUP * CHUNK) + tile_lane
+        raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (g_lo < g_hi), other=float("-inf"))
+        for grp in range(g_lo, g_hi):
+            raw = raw_next
+            offs = (grp + 1) * (GROUP * CHUNK) + tile_lane
+            raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (grp + 1 < g_hi), other=float("-inf"))
+            lg = _clean(raw.to(tl.float32))
+            m_c = tl.max(lg, 1)
+            chunks = grp * GROUP + chunk_in_group
+            tl.store(cmax_row + chunks, m_c, mask=chunks < num_chunks)
+            m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
+            s_c = tl.sum(tl.exp2((lg - m_safe[:, None]) * k), 1)
+            m_new = tl.maximum(m_vec, m_c)
+            s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
+                + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
+            m_vec = m_new
+        m_run = tl.max(m_vec, 0)
+        s_run = tl.sum(tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
+        tl.store(rec_m_ptr + unit, m_run)
+        tl.store(rec_s_ptr + unit, s_run)
+
+
+@triton.jit
+def _filter_threshold_kernel(
+    logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    rec_m_ptr, rec_s_ptr, cmax_ptr, thr_ptr, scratch_ptr, buf_ptr,
+    num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks,
+    TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    CU_BLOCK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr,
+    PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr,
+):
+    """Threshold pass, step 2: one program per slot writes thr[slot], the row's threshold logit
+    (``_row_threshold``) for a filtered row and -inf for every other slot."""
+    slot = tl.program_id(0)
+    b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
+                                         TREE, HAS_TEMPERATURE, CU_BLOCK)
+    thr = tl.full([], float("-inf"), tl.float32)
+    if valid:
+        top_k, top_p, min_p, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
+                                                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        if filtered:
+            s = tl.arange(0, SPLITS_PAD)
+            rec = slot.to(tl.int64) * num_splits + s
+            m = tl.load(rec_m_ptr + rec, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
+            sv = tl.load(rec_s_ptr + rec, mask=s < num_splits, other=0.0, cache_modifier=".cg")
+            row_max = tl.max(m, 0)
+            row_sum = tl.sum(tl.where(m > float("-inf"), sv * tl.exp2((m - row_max) * k), 0.0), 0)
+            thr = _row_threshold(
+                logits_ptr + row * logits_row_stride, cmax_ptr + slot.to(tl.int64) * num_chunks,
+                scratch_ptr + slot.to(tl.int64) * (CHUNKS_PAD + CAP), buf_ptr + slot.to(tl.int64) * CAP,
+                row_max, row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, CAP, TILE,
+                PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
+    tl.store(thr_ptr + slot, thr)
+
+
+def threshold_workspace_sizes(slots: int, num_splits: int, num_chunks: int) -> tuple[int, int]:
+    """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows: per slot its
+    split records (max, sum), its chunk maxima, its threshold and the CAP-entry bracket buffer
+    (float32); the chunk list (padded to a power of 2) and the bracket's vocabulary indices
+    (int32)."""
+    chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
+    return slots * (2 * num_splits + num_chunks + 1 + FILTER_CAP), slots * (chunks_pad + FILTER_CAP)
+
+
+def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: torch.Tensor,
+                          cu: torch.Tensor, temperature, top_k, top_p, min_p, *, tree: bool, num_requests: int,
+                          slots: int, max_rows: int, num_splits: int, groups_per_split: int, num_groups: int,
+                          group: int, num_warps: int, cu_block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the threshold pass (two launches, no host sync) over ``slots`` target rows and return
+    (thr [slots], cmax [slots * num_chunks]), views of the workspace ``f32`` (sized by
+    ``threshold_workspace_sizes``). The verification kernel then treats every logit below its
+    row's threshold as -inf and skips the chunks whose max is below it."""
+    R, V = target_logits.shape
+    num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
+    chunks_pad = triton.next_power_of_2(num_chunks)
+    n_rec = slots * num_splits
+    rec_m = f32[:n_rec]
+    rec_s = f32[n_rec:2 * n_rec]
+    cmax = f32[2 * n_rec:2 * n_rec + slots * num_chunks]
+    thr = f32[2 * n_rec + slots * num_chunks:2 * n_rec + slots * num_chunks + slots]
+    buf = f32[2 * n_rec + slots * num_chunks + slots:]
+    dummy = cu
+    common = dict(TREE=tree, HAS_TEMPERATURE=temperature is not None, HAS_TOP_K=top_k is not None,
+                  HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, CHUNK=SAMPLE_CHUNK, CU_BLOCK=cu_block)
+    args = (target_logits, target_logits.stride(0), cu, dummy if temperature is None else temperature,
+            dummy if top_k is None else top_k, dummy if top_p is None else top_p, dummy if min_p is None else min_p)
+    _filter_stats_kernel[(slots * num_splits,)](
+        *args, rec_m, rec_s, cmax, num_requests, R, V, max_rows, num_splits, groups_per_split, num_groups,
+        num_chunks, GROUP=group, num_warps=num_warps, **common)
+    extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
+    _filter_threshold_kernel[(slots,)](
+        *args, rec_m, rec_s, cmax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP, TILE=FILTER_TILE,
+        PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
+        num_warps=FILTER_WARPS, **common, **extra)
+    return thr, cmax

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from .philox import NODE_BITS, SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
-from .triton_filters import _row_filter, filter_workspace_sizes
 
 LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
@@ -41,32 +40,6 @@ BIG_INDEX = 2147483647
 NUM_WARPS = int(os.environ.get("SPECDEC_TRITON_WARPS", "4"))
 GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "8"))
 PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
-# Sampling filters (triton_filters.py, docs/ALGORITHM.md §7), read at each launch: the bracket
-# buffer (tokens sorted in registers; more means fewer counting passes), chunks per tile of the
-# gather / rewrite passes and of the counting passes, pivots per counting pass. Powers of 2.
-FILTER_CAP = int(os.environ.get("SPECDEC_TRITON_FILTER_CAP", "512"))
-FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
-# Tuning knobs of the filtered variants (benchmarks/bench_filters.py --knob-runs sweeps them):
-# chunks per tile of a pivot pass, and whether its counts accumulate element-wise across tiles
-# (one reduction per pass) or are reduced per tile; FILTER_MAXNREG caps the registers of a
-# filtered variant (0: Triton's choice), whose search code otherwise sets the register count
-# (and so the occupancy) of the whole kernel, stream included.
-FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "1"))
-FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "1") == "1"
-FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
-FILTER_PIVOTS = 16
-
-
-def filter_launch_kwargs(has_filters: bool) -> dict:
-    """The filter knobs as the chain and tree kernels take them (constexprs read at launch, so a
-    benchmark may change them between calls), and the register cap of the filtered variants."""
-    kwargs = dict(FILTER_CAP=FILTER_CAP, FILTER_TILE=FILTER_TILE, FILTER_PIVOT_TILE=FILTER_PIVOT_TILE,
-                  FILTER_PIVOTS=FILTER_PIVOTS, FILTER_PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE)
-    if has_filters and FILTER_MAXNREG > 0:
-        kwargs["maxnreg"] = FILTER_MAXNREG
-    return kwargs
-
-
 @triton.jit
 def _philox_words(seed, offset, stream: tl.constexpr, node, lane):
     """Philox4x32-10 words 0 and 1 of counter (lane, stream<<24 | node, offset_lo, offset_hi)."""
@@ -107,10 +80,14 @@ def _sanitize(logits):
 
 @triton.jit
 def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec, s_vec, am_vec,
-                 table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+                 table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                 thr=float("-inf"), FILTERED: tl.constexpr = False):
     """Fold one [GROUP, CHUNK] tile of a row into the per-tile-row running max / sum / argmax,
-    and write the tile's chunk table (random requests)."""
+    and write the tile's chunk table (random requests). FILTERED: logits below the row's
+    threshold ``thr`` count as -inf (sampling filters)."""
     lg = _sanitize(raw.to(tl.float32))
+    if FILTERED:
+        lg = tl.where(lg >= thr, lg, float("-inf"))
     m_c = tl.max(lg, 1)
     m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
     w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
@@ -206,15 +183,16 @@ def _row_argmax(row_ptr, row_ok, vocab_size, BLOCK: tl.constexpr):
 def _request_decision(
     b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts, draft_probs_ptr,
     draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, num_rows, vocab_size,
-    max_spec_len, num_splits, seed, offset, k, greedy, filtered, table_thr_ptr, table_kept_ptr,
+    max_spec_len, num_splits, seed, offset, k, greedy, thr_ptr,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr,
 ):
     """Combine a request's phase-1 records and run its accept tests, all positions at once.
 
     Returns (t_star, drafts, row_max, row_sum, argmax, ..., thr): t_star = accepted drafts;
-    the per-row vectors are indexed by position (argmax is -1 for random requests). For a
-    filtered request row_sum is the kept mass Z_t and thr the row's threshold (-inf else).
+    the per-row vectors are indexed by position (argmax is -1 for random requests); thr is
+    each row's filter threshold (-inf: unfiltered), and the records already leave out what it
+    filters.
     """
     t = tl.arange(0, ROWS_PAD)
     s = tl.arange(0, SPLITS_PAD)
@@ -231,10 +209,7 @@ def _request_decision(
     argmax = tl.where(row_max > float("-inf"), argmax, -1)
     thr = tl.full([ROWS_PAD], float("-inf"), tl.float32)
     if HAS_FILTERS:
-        if filtered:
-            slot = b * (max_spec_len + 1) + t
-            thr = tl.load(table_thr_ptr + slot, mask=t <= n, other=float("-inf"), cache_modifier=".cg")
-            row_sum = tl.load(table_kept_ptr + slot, mask=t <= n, other=0.0, cache_modifier=".cg")
+        thr = tl.load(thr_ptr + b * (max_spec_len + 1) + t, mask=t <= n, other=float("-inf"))
 
     # Accept tests: draft t is tested against row t.
     is_draft = t < n
@@ -312,40 +287,14 @@ def _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD: tl.con
 
 
 @triton.jit
-def _count_row_unit(request_counter_ptr, row_slot, filtered, row_ptr, table_m_row, table_w_row, rec_m_ptr,
-                    rec_s_ptr, flt_counter_ptr, flt_scratch_ptr, flt_buf_ptr, table_thr_ptr, table_kept_ptr,
-                    num_splits, k, top_k, top_p, min_p, excluded, vocab_size, num_chunks,
-                    HAS_FILTERS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-                    CHUNK: tl.constexpr, FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr,
-                    FILTER_PIVOT_TILE: tl.constexpr, FILTER_PIVOTS: tl.constexpr,
-                    FILTER_PIVOT_ACCUMULATE: tl.constexpr):
-    """Count a phase-1 unit (its records written) on its request's counter; return the count
-    after it (0: not counted). A filtered row is counted whole by its last unit, once that unit
-    has found the row's threshold (triton_filters.py) and stored it with Z_t; the row's other
-    units leave the count to it. Shared by the chain and tree kernels."""
-    if HAS_FILTERS:
-        count_in = tl.full([], 1, tl.int32)
-        if filtered:
-            seen = tl.atomic_add(flt_counter_ptr + row_slot, 1, sem="acq_rel")
-            count_in = tl.where(seen == num_splits - 1, num_splits, 0)
-            if seen == num_splits - 1:
-                tl.debug_barrier()
-                f_max, f_sum = _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD)
-                f_thr, f_z = _row_filter(
-                    row_ptr, table_m_row, table_w_row, flt_scratch_ptr + row_slot * (CHUNKS_PAD + FILTER_CAP),
-                    flt_buf_ptr + row_slot * FILTER_CAP, f_max, f_sum, k, top_k, top_p, min_p,
-                    excluded, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE,
-                    FILTER_PIVOT_TILE, FILTER_PIVOTS, FILTER_PIVOT_ACCUMULATE)
-                tl.store(table_thr_ptr + row_slot, f_thr)
-                tl.store(table_kept_ptr + row_slot, f_z)
-                tl.store(flt_counter_ptr + row_slot, 0)
-                tl.debug_barrier()
-        done = tl.zeros([], tl.int32)
-        if count_in > 0:
-            done = tl.atomic_add(request_counter_ptr, count_in, sem="acq_rel") + count_in
-    else:
-        done = tl.atomic_add(request_counter_ptr, 1, sem="acq_rel") + 1
-    return done
+def _kept_chunks(cmax_row, chunks, thr, num_chunks):
+    """Which chunks hold a logit >= thr (their max from the threshold pass is): all of them,
+    without a load, when thr = -inf. Chunks past the table's end read as kept (callers mask
+    their logits by the vocabulary)."""
+    # (a where, not `scalar & vector`: the interpreter cannot `&` a scalar comparison with a vector)
+    cmax = tl.load(cmax_row + chunks, mask=tl.where(thr > float("-inf"), chunks < num_chunks, False),
+                   other=float("inf"))
+    return cmax >= thr
 
 
 @triton.jit
@@ -363,8 +312,7 @@ def _rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr, counter_ptr,
-    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, table_thr_ptr, table_kept_ptr, flt_list_ptr,
-    table_bracket_ptr,
+    thr_ptr, cmax_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
     num_chunks, units_phase1, units_total,
@@ -373,9 +321,7 @@ def _rejection_sample_kernel(
     ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
-    HAS_FILTERS: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr, FILTER_PIVOT_TILE: tl.constexpr,
-    FILTER_PIVOTS: tl.constexpr, FILTER_PIVOT_ACCUMULATE: tl.constexpr,
+    HAS_FILTERS: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -409,17 +355,6 @@ def _rejection_sample_kernel(
         offset = tl.load(offsets_ptr + b).to(tl.int64)
     else:
         offset = tl.zeros([], tl.int64)
-    # Sampling filters (docs/ALGORITHM.md §7): only random requests with one of them on.
-    f_top_k = tl.zeros([], tl.int32)
-    f_top_p = tl.full([], 1.0, tl.float32)
-    f_min_p = tl.zeros([], tl.float32)
-    if HAS_TOP_K:
-        f_top_k = tl.minimum(tl.maximum(tl.load(top_k_ptr + b).to(tl.int64), -1), vocab_size).to(tl.int32)
-    if HAS_TOP_P:
-        f_top_p = tl.load(top_p_ptr + b).to(tl.float32)
-    if HAS_MIN_P:
-        f_min_p = tl.load(min_p_ptr + b).to(tl.float32)
-    filtered = (not greedy) & (((f_top_k > 0) & (f_top_k < vocab_size)) | (f_top_p < 1.0) | (f_min_p > 0.0))
     # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
     lane = tl.arange(0, CHUNK)[None, :]
     chunk_in_group = tl.arange(0, GROUP)
@@ -450,24 +385,49 @@ def _rejection_sample_kernel(
             tile_lane = chunk_in_group[:, None] * CHUNK + lane
             full_groups = vocab_size // (GROUP * CHUNK)
             full_hi = tl.minimum(g_hi, full_groups)
+            # Sampling filters: the threshold pass (triton_filters.py) gave the row's threshold
+            # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read.
+            thr_row = tl.full([], NEG_INF, tl.float32)
+            cmax_row = cmax_ptr + (b * (max_spec_len + 1) + t) * num_chunks
+            if HAS_FILTERS:
+                thr_row = tl.load(thr_ptr + b * (max_spec_len + 1) + t)
             if row_ok & (g_lo < full_hi):
-                # Whole tiles: no masks; the next tile is loaded before this one is reduced.
-                raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
+                # Whole tiles: no masks (but the filters'); the next tile is loaded before this
+                # one is reduced, the chunk maxima two tiles ahead.
+                if HAS_FILTERS:
+                    keep_next = _kept_chunks(cmax_row, g_lo * GROUP + chunk_in_group, thr_row, num_chunks)
+                    keep_after = _kept_chunks(cmax_row, (g_lo + 1) * GROUP + chunk_in_group, thr_row, num_chunks)
+                    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane, mask=keep_next[:, None],
+                                       other=NEG_INF)
+                else:
+                    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
                 for grp in range(g_lo, full_hi):
                     raw = raw_next
-                    raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
-                                       mask=grp + 1 < full_hi, other=0.0)
+                    if HAS_FILTERS:
+                        keep_next = keep_after & (grp + 1 < full_hi)
+                        keep_after = _kept_chunks(cmax_row, (grp + 2) * GROUP + chunk_in_group,
+                                                  tl.where(grp + 2 < full_hi, thr_row, NEG_INF), num_chunks)
+                        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
+                                           mask=keep_next[:, None], other=NEG_INF)
+                    else:
+                        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
+                                           mask=grp + 1 < full_hi, other=0.0)
                     m_vec, s_vec, am_vec = _stream_tile(
                         raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+                        thr_row, HAS_FILTERS)
             tail = tl.maximum(g_lo, full_groups)
             if row_ok & (tail < g_hi):
                 # The last, partial tile of the vocabulary.
                 offs = tail * (GROUP * CHUNK) + tile_lane
-                raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
+                in_row = offs < vocab_size
+                if HAS_FILTERS:
+                    in_row = in_row & _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr_row, num_chunks)[:, None]
+                raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
                 m_vec, s_vec, am_vec = _stream_tile(
                     raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
-                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+                    thr_row, HAS_FILTERS)
             m_run = tl.max(m_vec, 0)
             live = m_vec > NEG_INF
             s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
@@ -478,12 +438,7 @@ def _rejection_sample_kernel(
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, am_run)
             tl.debug_barrier()
-            done = _count_row_unit(
-                counter_ptr + b, b * (max_spec_len + 1) + t, filtered, row_ptr, table_m_row, table_w_row,
-                rec_m_ptr, rec_s_ptr, flt_counter_ptr, flt_list_ptr, table_bracket_ptr, table_thr_ptr, table_kept_ptr,
-                num_splits, k, f_top_k, f_top_p, f_min_p, excluded, vocab_size, num_chunks, HAS_FILTERS, SPLITS_PAD,
-                CHUNKS_PAD, CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS,
-                FILTER_PIVOT_ACCUMULATE)
+            done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits:
                     tl.debug_barrier()
@@ -491,7 +446,7 @@ def _rejection_sample_kernel(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
                         draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
                         num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
-                        k, greedy, filtered, table_thr_ptr, table_kept_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
+                        k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
                         STREAM_ACCEPT, HAS_FILTERS)
                     rows = tl.arange(0, ROWS_PAD)
                     if BLOCK_VERIFY:
@@ -530,7 +485,7 @@ def _rejection_sample_kernel(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
             draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
-            k, greedy, filtered, table_thr_ptr, table_kept_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
+            k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
             STREAM_ACCEPT, HAS_FILTERS)
         rows = tl.arange(0, ROWS_PAD)
         if BLOCK_VERIFY:
@@ -676,8 +631,10 @@ def rejection_sample_triton(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the fused kernel. Inputs are assumed validated (``specdec_kernels.ops``);
-    the vocabulary dim of ``target_logits`` and ``draft_probs`` must be contiguous."""
+    """Launch the fused kernel (after the threshold pass of triton_filters.py when a filter is
+    given). Inputs are assumed validated (``specdec_kernels.ops``); the vocabulary dim of
+    ``target_logits`` and ``draft_probs`` must be contiguous."""
+    from .triton_filters import launch_row_thresholds, threshold_workspace_sizes
     if method not in ("token", "block"):
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
     device = target_logits.device
@@ -709,16 +666,18 @@ def rejection_sample_triton(
     n_table = R * num_chunks
     n_residual = B * residual_rows * num_chunks
     n_f32 = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
-    # Sampling filters: per target row a threshold, Z_t, a bracket buffer, a chunk list, a counter.
+    # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
     has_filters = top_k is not None or top_p is not None or min_p is not None
-    filter_rows = B * (L + 1) if has_filters else 0
-    flt_f32, flt_i32 = filter_workspace_sizes(filter_rows, num_chunks, FILTER_CAP)
-    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2 + filter_rows)
-    flt_thr = f32[n_f32:n_f32 + filter_rows]
-    flt_z = f32[n_f32 + filter_rows:n_f32 + 2 * filter_rows]
-    flt_buf = f32[n_f32 + 2 * filter_rows:]
-    flt_list = i32[units_phase1:]
-    flt_counter = counters[2 * B + 2:]
+    slots = B * (L + 1)
+    flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_splits, num_chunks) if has_filters else (0, 0)
+    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
+    thr, cmax = f32, f32
+    if has_filters:
+        thr, cmax = launch_row_thresholds(
+            f32[n_f32:n_f32 + flt_f32], i32[units_phase1:units_phase1 + flt_i32], target_logits,
+            cu_num_draft_tokens, temperature, top_k, top_p, min_p, tree=False, num_requests=B, slots=slots,
+            max_rows=L + 1, num_splits=num_splits, groups_per_split=groups_per_split, num_groups=num_groups,
+            group=GROUP, num_warps=NUM_WARPS)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
@@ -736,8 +695,7 @@ def rejection_sample_triton(
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, residual_sum, counters,
-        top_k if top_k is not None else seeds, top_p if top_p is not None else seeds,
-        min_p if min_p is not None else seeds, flt_counter, flt_thr, flt_z, flt_list, flt_buf,
+        thr, cmax,
         B, R, V, L,
         num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
         num_chunks, units_phase1, units_total,
@@ -754,10 +712,6 @@ def rejection_sample_triton(
         STREAM_ACCEPT=STREAM_ACCEPT,
         STREAM_SAMPLE=STREAM_SAMPLE,
         HAS_FILTERS=has_filters,
-        HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None,
-        HAS_MIN_P=min_p is not None,
         num_warps=NUM_WARPS,
-        **filter_launch_kwargs(has_filters),
     )
     return out_tokens, num_accepted

@@ -22,19 +22,12 @@ import triton
 import triton.language as tl
 
 from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
-from . import triton_rejection_sample as _chain
-from .triton_filters import filter_workspace_sizes
-from .triton_rejection_sample import (  # noqa: F401  (FILTER_*: the defaults, for tools; launches read _chain's)
-    FILTER_CAP,
-    FILTER_PIVOT_ACCUMULATE,
-    FILTER_PIVOT_TILE,
-    FILTER_PIVOTS,
-    FILTER_TILE,
+from .triton_rejection_sample import (
     GROUP,
     NUM_WARPS,
+    _kept_chunks,
     _open_uniform,
     _philox_words,
-    _count_row_unit,
     _race_winner,
     _sanitize,
     _stream_tile,
@@ -88,14 +81,13 @@ def _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, row, num_splits, k, SPLITS_PAD
 
 
 @triton.jit
-def _node_filter(table_thr_ptr, table_kept_ptr, row, row_sum, filtered, HAS_FILTERS: tl.constexpr):
-    """(threshold, kept mass Z_t) of a node's row for a filtered request; (-inf, row_sum) else."""
+def _node_threshold(thr_ptr, row, HAS_FILTERS: tl.constexpr):
+    """The filter threshold of a node's row (-inf: unfiltered; the records and the chunk table
+    already leave out what it filters)."""
     thr = tl.full([], float("-inf"), tl.float32)
     if HAS_FILTERS:
-        if filtered:
-            thr = tl.load(table_thr_ptr + row, cache_modifier=".cg")
-            row_sum = tl.load(table_kept_ptr + row, cache_modifier=".cg")
-    return thr, row_sum
+        thr = tl.load(thr_ptr + row)
+    return thr
 
 
 @triton.jit
@@ -242,17 +234,14 @@ def _tree_rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_nodes_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
-    top_k_ptr, top_p_ptr, min_p_ptr, flt_counter_ptr, table_thr_ptr, table_kept_ptr, flt_list_ptr,
-    table_bracket_ptr,
+    thr_ptr, cmax_ptr,
     num_requests, num_nodes, vocab_size, max_depth,
     num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     DEPTH_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, NODE_BLOCK: tl.constexpr, CU_BLOCK: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
-    HAS_FILTERS: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    FILTER_CAP: tl.constexpr, FILTER_TILE: tl.constexpr, FILTER_PIVOT_TILE: tl.constexpr,
-    FILTER_PIVOTS: tl.constexpr, FILTER_PIVOT_ACCUMULATE: tl.constexpr,
+    HAS_FILTERS: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -279,17 +268,6 @@ def _tree_rejection_sample_kernel(
             offset = tl.load(offsets_ptr + b).to(tl.int64)
         else:
             offset = tl.zeros([], tl.int64)
-        # Sampling filters (docs/ALGORITHM.md §7): only random requests with one of them on.
-        f_top_k = tl.zeros([], tl.int32)
-        f_top_p = tl.full([], 1.0, tl.float32)
-        f_min_p = tl.zeros([], tl.float32)
-        if HAS_TOP_K:
-            f_top_k = tl.minimum(tl.maximum(tl.load(top_k_ptr + b).to(tl.int64), -1), vocab_size).to(tl.int32)
-        if HAS_TOP_P:
-            f_top_p = tl.load(top_p_ptr + b).to(tl.float32)
-        if HAS_MIN_P:
-            f_min_p = tl.load(min_p_ptr + b).to(tl.float32)
-        filtered = (not greedy) & (((f_top_k > 0) & (f_top_k < vocab_size)) | (f_top_p < 1.0) | (f_min_p > 0.0))
         depth_lanes = tl.arange(0, DEPTH_PAD)
         finalize = unit < 0
         if unit >= units_phase1:
@@ -314,12 +292,20 @@ def _tree_rejection_sample_kernel(
             table_m_row = table_m_ptr + row * num_chunks
             table_w_row = table_w_ptr + row * num_chunks
             excluded = tl.full([], -1, tl.int32)
+            # Sampling filters: logits below the row's threshold count as -inf, chunks whose
+            # max is below it are not read (threshold pass, triton_filters.py).
+            thr_row = _node_threshold(thr_ptr, row, HAS_FILTERS)
             for grp in range(g_lo, g_hi):
                 offs = grp * (GROUP * CHUNK) + tile_lane
-                raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
+                in_row = offs < vocab_size
+                if HAS_FILTERS:
+                    in_row = in_row & _kept_chunks(cmax_ptr + row * num_chunks, grp * GROUP + chunk_in_group,
+                                                   thr_row, num_chunks)[:, None]
+                raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
                 m_vec, s_vec, am_vec = _stream_tile(
                     raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+                    thr_row, HAS_FILTERS)
             m_run = tl.max(m_vec, 0)
             live = m_vec > NEG_INF
             s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
@@ -329,11 +315,7 @@ def _tree_rejection_sample_kernel(
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, tl.where(am_run == 2147483647, -1, am_run))
             tl.debug_barrier()
-            done = _count_row_unit(
-                counter_ptr + b, row, filtered, row_ptr, table_m_row, table_w_row, rec_m_ptr, rec_s_ptr,
-                flt_counter_ptr, flt_list_ptr, table_bracket_ptr, table_thr_ptr, table_kept_ptr, num_splits, k,
-                f_top_k, f_top_p, f_min_p, excluded, vocab_size, num_chunks, HAS_FILTERS, SPLITS_PAD, CHUNKS_PAD,
-                CHUNK, FILTER_CAP, FILTER_TILE, FILTER_PIVOT_TILE, FILTER_PIVOTS, FILTER_PIVOT_ACCUMULATE)
+            done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
             finalize = done == n * num_splits
         if finalize:
             tl.debug_barrier()
@@ -343,7 +325,7 @@ def _tree_rejection_sample_kernel(
             out_tok = tl.full([DEPTH_PAD], -1, tl.int64)
             out_node = tl.where(depth_lanes == 0, 0, -1).to(tl.int64)
             row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo, num_splits, k, SPLITS_PAD)
-            thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo, row_sum, filtered, HAS_FILTERS)
+            thr = _node_threshold(thr_ptr, cu_lo, HAS_FILTERS)
             a = tl.zeros([], tl.float32)      # draft probabilities: residual (q - a p)+
             mass = tl.full([], 1.0, tl.float32)  # its total (exactly 1 while a = 0)
             q_out = tl.zeros([], tl.float32)  # deterministic drafts: q of the rejected children
@@ -378,8 +360,7 @@ def _tree_rejection_sample_kernel(
                     v = cand
                     row_max, row_sum, argmax = _node_stats(rec_m_ptr, rec_s_ptr, rec_am_ptr, cu_lo + v, num_splits,
                                                            k, SPLITS_PAD)
-                    thr, row_sum = _node_filter(table_thr_ptr, table_kept_ptr, cu_lo + v, row_sum, filtered,
-                                                HAS_FILTERS)
+                    thr = _node_threshold(thr_ptr, cu_lo + v, HAS_FILTERS)
                     a = tl.zeros([], tl.float32)
                     mass = tl.full([], 1.0, tl.float32)
                     q_out = tl.zeros([], tl.float32)
@@ -435,7 +416,9 @@ def tree_rejection_sample_triton(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the fused tree kernel on validated inputs (unit stride along the vocabulary)."""
+    """Launch the fused tree kernel (after the threshold pass of triton_filters.py when a filter
+    is given) on validated inputs (unit stride along the vocabulary)."""
+    from .triton_filters import launch_row_thresholds, threshold_workspace_sizes
     device = target_logits.device
     N, V = target_logits.shape
     B = cu_num_nodes.shape[0] - 1
@@ -455,21 +438,22 @@ def tree_rejection_sample_triton(
     units_phase1 = N * num_splits
     n_table = N * num_chunks
     n_f32 = 2 * units_phase1 + 2 * n_table + B * num_chunks
-    # Sampling filters: per node row a threshold, Z_t, a bracket buffer, a chunk list, a counter.
+    # Sampling filters: the threshold pass's workspace follows (per node row).
     has_filters = top_k is not None or top_p is not None or min_p is not None
-    filter_rows = N if has_filters else 0
-    flt_f32, flt_i32 = filter_workspace_sizes(filter_rows, num_chunks, _chain.FILTER_CAP)
-    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1 + filter_rows)
+    flt_f32, flt_i32 = threshold_workspace_sizes(N, num_splits, num_chunks) if has_filters else (0, 0)
+    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1)
+    thr, cmax = f32, f32
+    if has_filters:
+        thr, cmax = launch_row_thresholds(
+            f32[n_f32:n_f32 + flt_f32], i32[units_phase1:units_phase1 + flt_i32], target_logits, cu_num_nodes,
+            temperature, top_k, top_p, min_p, tree=True, num_requests=B, slots=N, max_rows=1,
+            num_splits=num_splits, groups_per_split=groups_per_split, num_groups=num_groups, group=GROUP,
+            num_warps=NUM_WARPS, cu_block=CU_BLOCK)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
     table_w = f32[2 * units_phase1 + n_table:2 * units_phase1 + 2 * n_table]
     table_r = f32[2 * units_phase1 + 2 * n_table:n_f32]
-    flt_thr = f32[n_f32:n_f32 + filter_rows]
-    flt_z = f32[n_f32 + filter_rows:n_f32 + 2 * filter_rows]
-    flt_buf = f32[n_f32 + 2 * filter_rows:]
-    flt_list = i32[units_phase1:]
-    flt_counter = counters[B + 1:]
     has_draft_probs = draft_probs is not None
     _tree_rejection_sample_kernel[(units_phase1 + B,)](
         target_logits, target_logits.stride(0), tokens, parents, cu_num_nodes,
@@ -479,8 +463,7 @@ def tree_rejection_sample_triton(
         offsets if offsets is not None else seeds,
         out_tokens, out_nodes, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, counters,
-        top_k if top_k is not None else seeds, top_p if top_p is not None else seeds,
-        min_p if min_p is not None else seeds, flt_counter, flt_thr, flt_z, flt_list, flt_buf,
+        thr, cmax,
         B, N, V, D, num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
@@ -490,10 +473,8 @@ def tree_rejection_sample_triton(
         CHUNKS_PAD=triton.next_power_of_2(num_chunks),
         CHUNK=SAMPLE_CHUNK, GROUP=GROUP, NODE_BLOCK=NODE_BLOCK, CU_BLOCK=CU_BLOCK,
         STREAM_ACCEPT=STREAM_ACCEPT, STREAM_SAMPLE=STREAM_SAMPLE,
-        HAS_FILTERS=has_filters, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        HAS_MIN_P=min_p is not None,
+        HAS_FILTERS=has_filters,
         num_warps=NUM_WARPS,
-        **_chain.filter_launch_kwargs(has_filters),
     )
     return out_tokens, out_nodes, num_accepted
 
