@@ -58,6 +58,25 @@ DEFAULT_SETTINGS = ["k50 p0.9", "k50", "p0.9", "minp0.05", "k50 p0.9 minp0.05"]
 CONFIGS = {"bf16": ("bf16", False), "fp32+draft": ("fp32", True)}
 
 
+def kernel_breakdown(fns, calls: int = 32) -> list[tuple[str, float]]:
+    """GPU time per call of each kernel the calls launch, from torch.profiler (eager calls over
+    the input sets in turn)."""
+    from torch.profiler import ProfilerActivity, profile
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if total > 0 and e.count >= calls:
+            out.append((e.key[:34], total / calls))
+    return sorted(out, key=lambda kv: -kv[1])
+
+
 def filter_tensors(batch: int, setting) -> dict:
     top_k, top_p, min_p = setting
     out = {}
@@ -113,6 +132,11 @@ def main():
                          "each timing every --settings entry")
     ap.add_argument("--no-sort", action="store_true", help="skip the sort-based baselines")
     ap.add_argument("--tag", default="", help="a label for this run: a CSV column and the files' suffix")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print each setting's GPU time per kernel (torch.profiler over eager calls): the "
+                         "threshold pass's stats stream and search, and the verification kernel")
+    ap.add_argument("--profile-one", default="",
+                    help="run only this --settings entry a few times at the first batch / config (for ncu)")
     args = ap.parse_args()
     configs = [CONFIGS[c.strip()] for c in args.configs.split(",")]
     settings = [name.strip() for name in args.settings.split(",")]
@@ -120,6 +144,16 @@ def main():
     if unknown:
         ap.error(f"unknown --settings {unknown}; choose from {list(FILTER_SETTINGS)}")
     os.makedirs(args.out, exist_ok=True)
+    if args.profile_one:
+        batch, (dtype, probs) = int(args.batches.split(",")[0]), configs[0]
+        inp = scaled_inputs(batch, args.k, args.vocab, dtype, probs, 0, float(args.scale.split(",")[0]))
+        f = filter_tensors(batch, FILTER_SETTINGS[args.profile_one])
+        for _ in range(6):
+            specdec_kernels.rejection_sample(
+                inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"],
+                inp["temperature"], inp["seeds"], inp["offsets"], args.k, backend="triton", **f)
+        torch.cuda.synchronize()
+        return
     info = versions()
     bandwidth = copy_bandwidth()
     cuda_built = specdec_kernels.available_backends()["cuda"] == "available"
@@ -209,6 +243,13 @@ def main():
                     finally:
                         for n, v in saved.items():
                             setattr(tf, n, v)
+                if args.breakdown:
+                    for name, make in variants:
+                        if not name.startswith("triton"):
+                            continue
+                        for label, us in kernel_breakdown([make(s) for s in sets]):
+                            print(f"  breakdown B={batch} {dtype} draft={'fp32' if probs else 'none'} {name:22s} "
+                                  f"{label:34s} {us:8.1f} us/call", flush=True)
                 del sets
                 torch.cuda.empty_cache()
 

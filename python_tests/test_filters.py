@@ -413,6 +413,32 @@ def test_triton_interpreter_counting_passes_agree(small_bracket, vocab, dtype):
 
 @interpreter_only
 @pytest.mark.parametrize("draft_probs", [False, True])
+def test_triton_interpreter_skips_tiles_without_kept_chunks(draft_probs):
+    """V = 8193 (5 tiles of 8 chunks): with top-k 3 most tiles hold no kept token, and the
+    kernels skip them (their table entries written empty), in the chain and the tree kernel."""
+    from specdec_kernels.philox import SAMPLE_CHUNK
+    vocab = 8193
+    args = random_batch(3, 2, vocab, draft_probs=draft_probs, seed=77 + draft_probs)
+    filters = (torch.tensor([3, 0, 40]), torch.tensor([1.0, 0.5, 0.95]), torch.tensor([0.0, 0.0, 0.2]))
+    # The premise: a top-3 row keeps at most 3 chunks, so at least 2 of its 5 tiles have none.
+    tiles = (vocab + 8 * SAMPLE_CHUNK - 1) // (8 * SAMPLE_CHUNK)
+    assert tiles - 3 >= 2
+    assert _agree("triton", "cpu", args, filters) == 1.0
+    from test_tree import _random_trees
+    logits, tokens, parents, cu = _random_trees(3, vocab, seed=5 + draft_probs)
+    probs = torch.softmax(torch.randn(logits.shape, generator=torch.Generator().manual_seed(2)), -1) \
+        if draft_probs else None
+    temp, seeds = torch.tensor([1.0, 0.8, 1.2]), torch.arange(3) * 31 + 5
+    ref = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
+                                                backend="reference")
+    got = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
+                                                backend="triton")
+    for r, o in zip(ref, got):
+        assert torch.equal(r, o)
+
+
+@interpreter_only
+@pytest.mark.parametrize("draft_probs", [False, True])
 def test_triton_interpreter_tree_agrees_with_reference(small_bracket, draft_probs):
     from test_tree import _random_trees
     vocab = 700

@@ -498,16 +498,20 @@ def _filter_stats_kernel(
 ):
     """Threshold pass, step 1: one program per (slot, split) of a filtered row streams its split
     once and writes every chunk's max (cmax, per slot) and the split's (max, sum of
-    exp2((l - max) k)) record. Unfiltered slots do nothing."""
+    exp2((l - max) k)) record (the sum only for top-p without top-k, 0 else). Unfiltered slots
+    do nothing."""
     unit = tl.program_id(0)
     slot = unit // num_splits
     s_idx = unit % num_splits
     b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
                                          TREE, HAS_TEMPERATURE, CU_BLOCK)
     filtered = tl.zeros([], tl.int1)
+    need_sum = tl.zeros([], tl.int1)
     if valid:
-        _, _, _, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
-                                             HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        top_k, top_p, _, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
+                                                     HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        # Only top-p without top-k needs the row's sum (_row_threshold); the rest, the maxima.
+        need_sum = (top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab_size))
     if filtered:
         row_ptr = logits_ptr + row * logits_row_stride
         cmax_row = cmax_ptr + slot.to(tl.int64) * num_chunks
@@ -527,11 +531,12 @@ def _filter_stats_kernel(
             m_c = tl.max(lg, 1)
             chunks = grp * GROUP + chunk_in_group
             tl.store(cmax_row + chunks, m_c, mask=chunks < num_chunks)
-            m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
-            s_c = tl.sum(tl.exp2((lg - m_safe[:, None]) * k), 1)
             m_new = tl.maximum(m_vec, m_c)
-            s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
-                + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
+            if need_sum:
+                m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
+                s_c = tl.sum(tl.exp2((lg - m_safe[:, None]) * k), 1)
+                s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
+                    + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
             m_vec = m_new
         m_run = tl.max(m_vec, 0)
         s_run = tl.sum(tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)

@@ -298,6 +298,16 @@ def _kept_chunks(cmax_row, chunks, thr, num_chunks):
 
 
 @triton.jit
+def _empty_chunks(table_m_row, table_w_row, chunks, num_chunks, greedy):
+    """The chunk table entries of chunks with no kept logit (what ``_stream_tile`` writes for an
+    all -inf tile: max -inf, total 0; greedy rows keep no table)."""
+    if not greedy:
+        in_table = chunks < num_chunks
+        tl.store(table_m_row + chunks, tl.full(chunks.shape, float("-inf"), tl.float32), mask=in_table)
+        tl.store(table_w_row + chunks, tl.zeros(chunks.shape, tl.float32), mask=in_table)
+
+
+@triton.jit
 def _pick(vec, t, idx):
     """vec[idx] for a vector indexed by t (a scalar gather from registers)."""
     return tl.sum(tl.where(t == idx, vec, 0), 0)
@@ -404,18 +414,27 @@ def _rejection_sample_kernel(
                 for grp in range(g_lo, full_hi):
                     raw = raw_next
                     if HAS_FILTERS:
+                        keep_cur = keep_next
                         keep_next = keep_after & (grp + 1 < full_hi)
                         keep_after = _kept_chunks(cmax_row, (grp + 2) * GROUP + chunk_in_group,
                                                   tl.where(grp + 2 < full_hi, thr_row, NEG_INF), num_chunks)
                         raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
                                            mask=keep_next[:, None], other=NEG_INF)
+                        # A tile without a kept chunk adds nothing but its empty table entries
+                        # (the loop is instruction-bound: skipping its loads alone saves no time).
+                        if tl.max(keep_cur.to(tl.int32), 0) > 0:
+                            m_vec, s_vec, am_vec = _stream_tile(
+                                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
+                                excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+                                thr_row, HAS_FILTERS)
+                        else:
+                            _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
                     else:
                         raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
                                            mask=grp + 1 < full_hi, other=0.0)
-                    m_vec, s_vec, am_vec = _stream_tile(
-                        raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        thr_row, HAS_FILTERS)
+                        m_vec, s_vec, am_vec = _stream_tile(
+                            raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
+                            excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
             tail = tl.maximum(g_lo, full_groups)
             if row_ok & (tail < g_hi):
                 # The last, partial tile of the vocabulary.

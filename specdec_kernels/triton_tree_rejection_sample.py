@@ -25,6 +25,7 @@ from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from .triton_rejection_sample import (
     GROUP,
     NUM_WARPS,
+    _empty_chunks,
     _kept_chunks,
     _open_uniform,
     _philox_words,
@@ -297,15 +298,22 @@ def _tree_rejection_sample_kernel(
             thr_row = _node_threshold(thr_ptr, row, HAS_FILTERS)
             for grp in range(g_lo, g_hi):
                 offs = grp * (GROUP * CHUNK) + tile_lane
-                in_row = offs < vocab_size
                 if HAS_FILTERS:
-                    in_row = in_row & _kept_chunks(cmax_ptr + row * num_chunks, grp * GROUP + chunk_in_group,
-                                                   thr_row, num_chunks)[:, None]
-                raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
-                m_vec, s_vec, am_vec = _stream_tile(
-                    raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                    thr_row, HAS_FILTERS)
+                    keep = _kept_chunks(cmax_ptr + row * num_chunks, grp * GROUP + chunk_in_group, thr_row,
+                                        num_chunks)
+                    if tl.max(keep.to(tl.int32), 0) > 0:
+                        raw = tl.load(row_ptr + offs, mask=(offs < vocab_size) & keep[:, None], other=NEG_INF)
+                        m_vec, s_vec, am_vec = _stream_tile(
+                            raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
+                            excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+                            thr_row, HAS_FILTERS)
+                    else:  # no kept chunk in this tile
+                        _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
+                else:
+                    raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
+                    m_vec, s_vec, am_vec = _stream_tile(
+                        raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
+                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
             m_run = tl.max(m_vec, 0)
             live = m_vec > NEG_INF
             s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
