@@ -297,15 +297,17 @@ try:
     from specdec_kernels.triton_filters import _row_threshold
 
     @triton.jit
-    def _row_threshold_kernel(logits_ptr, vocab, cmax_ptr, scratch_ptr, buf_ptr, max_ptr, sum_ptr, temp_ptr,
-                              top_k_ptr, top_p_ptr, min_p_ptr, thr_ptr, num_chunks, CHUNKS_PAD: tl.constexpr,
-                              CAP: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr):
+    def _row_threshold_kernel(logits_ptr, vocab, cmax_ptr, submax_ptr, scratch_ptr, buf_ptr, max_ptr, sum_ptr,
+                              temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, thr_ptr, num_chunks, scratch_stride,
+                              CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr, PIVOT_TILE: tl.constexpr,
+                              PIVOT_ACCUMULATE: tl.constexpr):
         r = tl.program_id(0)
         k = 1.4426950408889634 / tl.load(temp_ptr + r)
-        thr = _row_threshold(logits_ptr + r * vocab, cmax_ptr + r * num_chunks, scratch_ptr + r * (CHUNKS_PAD + CAP),
-                             buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r), k, tl.load(top_k_ptr + r),
-                             tl.load(top_p_ptr + r), tl.load(min_p_ptr + r), vocab, num_chunks, CHUNKS_PAD, 256, CAP,
-                             8, PIVOT_TILE, 16, PIVOT_ACCUMULATE)
+        thr = _row_threshold(logits_ptr + r * vocab, cmax_ptr + r * num_chunks, submax_ptr + r * num_chunks * 8,
+                             scratch_ptr + r * scratch_stride, buf_ptr + r * CAP, tl.load(max_ptr + r),
+                             tl.load(sum_ptr + r), k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
+                             tl.load(min_p_ptr + r), vocab, num_chunks, num_chunks * 8, CHUNKS_PAD, 256, CAP, 8,
+                             PIVOT_TILE, 16, PIVOT_ACCUMULATE, 32, 64, 128)
         tl.store(thr_ptr + r, thr)
 except ImportError:  # triton is optional
     _row_threshold_kernel = None
@@ -313,7 +315,9 @@ except ImportError:  # triton is optional
 
 def row_threshold(logits, temperature, top_k, top_p, min_p, cap, accumulate=False):
     """The kernels' threshold search on rows [R, V] (float32), fed what the threshold pass's
-    stream gives it: the chunk maxima, the row max and sum. Returns the thresholds.
+    stream gives it: the maxima of every 256 and every 32 logits, the row max and sum. Returns
+    the thresholds (with the CAP-entry bracket buffer; the fine top-k path's sizes are the
+    package's defaults).
     accumulate: the pivot passes' element-wise accumulation (one chunk per tile), else per-tile
     reductions (two chunks per tile)."""
     device = logits.device
@@ -323,16 +327,18 @@ def row_threshold(logits, temperature, top_k, top_p, min_p, cap, accumulate=Fals
     padded[:, :vocab] = torch.nan_to_num(logits, nan=float("-inf"), posinf=FLT_MAX)
     k = 1.4426950408889634 / temperature
     m_c = padded.view(rows, chunks, 256).max(-1).values
+    m_sub = padded.view(rows, chunks * 8, 32).max(-1).values
     row_max = padded.max(-1).values
     shift = torch.where(row_max > float("-inf"), row_max, 0.0)
     row_sum = torch.exp2((padded - shift[:, None]) * k[:, None]).sum(-1)
     pad = triton.next_power_of_2(chunks)
     thr = torch.empty(rows, device=device)
+    stride = pad + 64 * 8 + cap
     _row_threshold_kernel[(rows,)](
-        padded[:, :vocab].contiguous(), vocab, m_c.contiguous(),
-        torch.zeros(rows * (pad + cap), dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
-        row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, chunks, CHUNKS_PAD=pad, CAP=cap,
-        PIVOT_TILE=1 if accumulate else 2, PIVOT_ACCUMULATE=accumulate)
+        padded[:, :vocab].contiguous(), vocab, m_c.contiguous(), m_sub.contiguous(),
+        torch.zeros(rows * stride, dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
+        row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, chunks, stride, CHUNKS_PAD=pad,
+        CAP=cap, PIVOT_TILE=1 if accumulate else 2, PIVOT_ACCUMULATE=accumulate)
     return thr
 
 

@@ -1,33 +1,33 @@
-"""Top-k / top-p / min-p inside the Triton kernels: a threshold search per row, no sort of the row.
+"""Top-k / top-p / min-p for the Triton kernels: a threshold pass before verification, no sort.
 
 docs/ALGORITHM.md §7 has the semantics and the algorithm; ``sampling_filters`` the sort-based
-definition. In short: the filtered distribution of a row is ``q(x) ~ exp2((l(x) - M) k)`` for
-the tokens with ``l(x) >= t``, one threshold logit ``t`` per row, so a kernel needs ``t`` and
-the kept mass ``Z_t`` -- and, for the chunked sampler, the row's chunk table restricted to
-``l >= t``. ``_row_filter`` computes them from what the stream already produced (the row's
-max ``M``, its sum ``Z`` and its chunk maxima ``m_c``):
+definition. The filtered distribution of a row is ``q(x) ~ exp2((l(x) - M) k)`` for the tokens
+with ``l(x) >= t``, one threshold logit ``t`` per row, so the verification kernels need only
+``t``: they treat every logit below it as -inf and skip the chunks whose max is below it.
+``launch_row_thresholds`` computes it in two launches:
 
-- *min-p* is a closed form: ``t_mp`` = the smallest float ``v`` with ``(v - M) k >= log2(min_p)``
-  (a bisection over the float's bit pattern, no memory traffic).
-- *top-k* and *top-p* are the largest row value ``v`` with ``count(l >= v) >= k``, resp.
-  ``mass(l >= v) >= p * Z_k`` (``Z_k`` = the mass top-k keeps). Both predicates are monotone
-  in ``v``, so the answer is found in a bracket ``[lo, hi)`` of order-preserving integer keys
-  of the float logits: a lower bound from the chunk maxima (each is a distinct token, so a
-  value with k chunk maxima at or above it is <= the k-th largest logit, and one whose chunk
-  maxima above it already hold the target mass bounds top-p; two rounds of 16 pivots over
-  the chunk maxima in registers find a tight one; top-p also has the closed-form bound
-  ``M + log2((1 - p) Z_k / 2V) / k``), then
-  * one pass over the chunks whose max is >= lo gathers the bracket's tokens into a buffer of
-    ``CAP`` entries; if they fit, the buffer is sorted (64 or ``CAP`` entries, in registers)
-    and the answer read off exactly as the sort-based definition does;
-  * otherwise passes with ``PIVOTS`` pivots each count the tokens and their mass above every
-    pivot, narrowing the bracket ~17x per pass, until it fits (or holds one value, which is
-    then the answer).
-- ``t = max(t_k, t_p, t_mp)``; one more pass over the chunks whose max is >= t writes the
-  restricted chunk totals and ``Z_t``.
+- ``_filter_stats_kernel`` streams each filtered row once (split as the verification kernel
+  splits it) for its chunk maxima ``m_c``, its max ``M`` (and, for top-p without top-k, its
+  sum ``Z``);
+- ``_filter_threshold_kernel`` (one program per row) runs ``_row_threshold``:
 
-Only rows of filtered requests run any of this (the last unit of the row, after the stream);
-everything reads L2-resident data: the chunk table and the few chunks above the bound.
+  * *min-p* is a closed form: ``t_mp`` = the smallest float ``v`` with ``(v - M) k >=
+    log2(min_p)`` (a bisection over the float's bit pattern, no memory traffic).
+  * *top-k* and *top-p* are the largest row value ``v`` with ``count(l >= v) >= k``, resp.
+    ``mass(l >= v) >= p * Z_k`` (``Z_k`` = the mass top-k keeps). Both predicates are
+    monotone in ``v``, so the answer is found in a bracket ``[lo, hi)`` of order-preserving
+    integer keys of the float logits: a lower bound from the chunk maxima (each is a distinct
+    token, so a value with k chunk maxima at or above it is <= the k-th largest logit, and one
+    whose chunk maxima above it already hold the target mass bounds top-p; two rounds of 16
+    pivots over the chunk maxima in registers find a tight one; top-p also has the closed-form
+    bound ``M + log2((1 - p) Z_k / 2V) / k``), then
+    - one pass over the chunks whose max is >= lo gathers the bracket's tokens into a buffer
+      of ``CAP`` entries; if they fit, the buffer is sorted (64 or ``CAP`` entries, in
+      registers) and the answer read off exactly as the sort-based definition does;
+    - otherwise passes with ``PIVOTS`` pivots each count the tokens and their mass above every
+      pivot, narrowing the bracket ~17x per pass, until it fits (or holds one value, which is
+      then the answer).
+  * ``t = max(t_k, t_p, t_mp)``; -inf for rows of unfiltered or greedy requests.
 """
 from __future__ import annotations
 
@@ -344,21 +344,62 @@ def _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, S:
 
 
 @triton.jit
-def _row_threshold(row_ptr, cmax_row, scratch_ptr, buf_ptr, row_max, row_sum, k, top_k, top_p, min_p,
-                   vocab_size, num_chunks, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
-                   TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr,
-                   PIVOT_ACCUMULATE: tl.constexpr):
+def _fine_bracket(row_ptr, submax_row, m_c, in_table, list_ptr, sub_list_ptr, idx_ptr, buf_ptr, vocab_size,
+                  num_subs, row_max, k, top_k, lo0, top, CAP: tl.constexpr, PIVOTS: tl.constexpr,
+                  SUB: tl.constexpr, SUBS_PER_CHUNK: tl.constexpr, FINE_CHUNKS: tl.constexpr,
+                  FINE_SUBS: tl.constexpr):
+    """top-k's bracket [lo, top) from the SUB-logit maxima, gathered into the buffer in one tile:
+    (lo, n_b, ok); ok = False when it does not apply (more than FINE_CHUNKS chunks at or above
+    lo0, more than FINE_SUBS sub-chunks at or above lo, or more than CAP tokens), and the caller
+    falls back to ``_search``.
+
+    The chunks whose max is >= lo0 are listed; their sub-chunk maxima (distinct tokens, like the
+    chunk maxima) give a tighter bound lo >= lo0 with count(l >= lo) >= top_k; every token at or
+    above lo lies in a listed sub-chunk whose max is >= lo, and those are gathered."""
+    n_listed = _qualify(m_c, in_table, lo0, list_ptr)
+    lo = lo0
+    n_b = tl.full([], CAP + 1, tl.int32)
+    ok = n_listed < 0
+    if n_listed <= FINE_CHUNKS:
+        j = tl.arange(0, FINE_CHUNKS)
+        chunk = tl.load(list_ptr + j, mask=j < n_listed, other=0)
+        sid = chunk[:, None] * SUBS_PER_CHUNK + tl.arange(0, SUBS_PER_CHUNK)[None, :]
+        live = (j[:, None] < n_listed) & (sid < num_subs)
+        sv = tl.load(submax_row + sid, mask=live, other=float("-inf"), cache_modifier=".cg")
+        sid = tl.reshape(sid, [FINE_CHUNKS * SUBS_PER_CHUNK])
+        sv = tl.reshape(sv, [FINE_CHUNKS * SUBS_PER_CHUNK])
+        live = tl.reshape(live, [FINE_CHUNKS * SUBS_PER_CHUNK])
+        lo = tl.maximum(lo0, _chunk_bound(sv, live, row_max, k, False, top_k, 0.0, PIVOTS))
+        hit = live & (_key(sv) >= lo)
+        pos = tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(sub_list_ptr + pos, sid, mask=hit)
+        tl.debug_barrier()
+        n_sub = tl.sum(hit.to(tl.int32), 0)
+        if n_sub <= FINE_SUBS:
+            n_b = _gather(row_ptr, sub_list_ptr, n_sub, lo, top, buf_ptr, idx_ptr, vocab_size, CAP, FINE_SUBS, SUB)
+            ok = n_b <= CAP
+    return lo, n_b, ok
+
+
+@triton.jit
+def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max, row_sum, k, top_k, top_p,
+                   min_p, vocab_size, num_chunks, num_subs, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                   CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr,
+                   PIVOT_ACCUMULATE: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
+                   FINE_SUBS: tl.constexpr):
     """The threshold logit t of one row of a filtered request: the row keeps exactly l >= t.
 
     row_max / row_sum: the row's max and sum of exp2((l - max) k) (``_stream_row_stats``);
-    cmax_row: its chunk maxima; top_k (int32, clamped to [-1, V]), top_p, min_p: the request's
-    filters. -inf for a row without a valid logit. Brackets of up to SMALL tokens are sorted at
-    that size. scratch_ptr: this row's int32 scratch, CHUNKS_PAD + CAP entries (the chunk list,
-    then the bracket's vocabulary indices); buf_ptr: its CAP float32 entries (the bracket's values).
+    cmax_row / submax_row: its maxima per CHUNK and per SUB logits; top_k (int32, clamped to
+    [-1, V]), top_p, min_p: the request's filters. -inf for a row without a valid logit.
+    Brackets of up to SMALL tokens are sorted at that size. scratch_ptr: this row's int32
+    scratch (``filter_scratch_stride``: the chunk list, the sub-chunk list, then the bracket's
+    vocabulary indices); buf_ptr: its CAP float32 entries (the bracket's values).
     """
     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
     list_ptr = scratch_ptr
-    idx_ptr = scratch_ptr + CHUNKS_PAD
+    sub_list_ptr = scratch_ptr + CHUNKS_PAD
+    idx_ptr = scratch_ptr + CHUNKS_PAD + FINE_CHUNKS * (CHUNK // SUB)
     t_key = tl.full([], KEY_NEG_INF, tl.int32)
     if row_max > float("-inf"):
         k_on = (top_k > 0) & (top_k < vocab_size)
@@ -384,9 +425,23 @@ def _row_threshold(row_ptr, cmax_row, scratch_ptr, buf_ptr, row_max, row_sum, k,
             lo0 = _chunk_bound(m_c, in_table, row_max, k, False, top_k, 0.0, PIVOTS)
             if not p_on:
                 lo0 = tl.maximum(lo0, t_mp)  # below t_mp the exact k-th value does not matter
-            lo, hi, n_above, mass_above, n_b = _search(
-                row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
-                False, top_k, 0.0, lo0, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
+            # Small k: the bracket from the 32-logit maxima, gathered in one tile (most rows);
+            # else (or if it does not fit) the chunk-level search.
+            fine_ok = top_k < 0
+            lo = lo0
+            n_b = tl.zeros([], tl.int32)
+            if top_k <= FINE_CHUNKS:
+                lo, n_b, fine_ok = _fine_bracket(
+                    row_ptr, submax_row, m_c, in_table, list_ptr, sub_list_ptr, idx_ptr, buf_ptr, vocab_size,
+                    num_subs, row_max, k, top_k, lo0, top, CAP, PIVOTS, SUB, CHUNK // SUB, FINE_CHUNKS, FINE_SUBS)
+            if fine_ok:
+                hi = top
+                n_above = tl.zeros([], tl.int32)
+                mass_above = tl.zeros([], tl.float32)
+            else:
+                lo, hi, n_above, mass_above, n_b = _search(
+                    row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
+                    False, top_k, 0.0, lo, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
             if n_b <= SMALL:
                 t_k, z_k, t_p, p_here = _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p,
                                                        p_on, row_max, k, SMALL)
@@ -439,6 +494,11 @@ FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE
 FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
 FILTER_WARPS = int(os.environ.get("SPECDEC_TRITON_FILTER_WARPS", "4"))
 FILTER_PIVOTS = 16
+# The finer maxima of the stats stream (every FILTER_SUB logits) and the fine top-k path's sizes:
+# up to FILTER_FINE_CHUNKS listed chunks (also its largest k), FILTER_FINE_SUBS gathered sub-chunks.
+FILTER_SUB = 32
+FILTER_FINE_CHUNKS = 64
+FILTER_FINE_SUBS = 128
 
 
 @triton.jit
@@ -491,15 +551,15 @@ def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, T
 @triton.jit
 def _filter_stats_kernel(
     logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    rec_m_ptr, rec_s_ptr, cmax_ptr,
-    num_requests, num_rows, vocab_size, max_rows, num_splits, groups_per_split, num_groups, num_chunks,
+    rec_m_ptr, rec_s_ptr, cmax_ptr, submax_ptr,
+    num_requests, num_rows, vocab_size, max_rows, num_splits, groups_per_split, num_groups, num_chunks, num_subs,
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    HAS_MIN_P: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr, CU_BLOCK: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, CU_BLOCK: tl.constexpr,
 ):
     """Threshold pass, step 1: one program per (slot, split) of a filtered row streams its split
-    once and writes every chunk's max (cmax, per slot) and the split's (max, sum of
-    exp2((l - max) k)) record (the sum only for top-p without top-k, 0 else). Unfiltered slots
-    do nothing."""
+    once and writes the max of every chunk (cmax) and of every SUB logits (submax), per slot,
+    and the split's (max, sum of exp2((l - max) k)) record (the sum only for top-p without
+    top-k, 0 else). Unfiltered slots do nothing."""
     unit = tl.program_id(0)
     slot = unit // num_splits
     s_idx = unit % num_splits
@@ -515,12 +575,15 @@ def _filter_stats_kernel(
     if filtered:
         row_ptr = logits_ptr + row * logits_row_stride
         cmax_row = cmax_ptr + slot.to(tl.int64) * num_chunks
-        chunk_in_group = tl.arange(0, GROUP)
-        tile_lane = chunk_in_group[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        submax_row = submax_ptr + slot.to(tl.int64) * num_subs
+        # A tile is GROUP chunks seen as [GROUP * CHUNK / SUB, SUB]: one sub-chunk per tile row.
+        SUBS: tl.constexpr = GROUP * CHUNK // SUB
+        sub_in_group = tl.arange(0, SUBS)
+        tile_lane = sub_in_group[:, None] * SUB + tl.arange(0, SUB)[None, :]
         g_lo = s_idx * groups_per_split
         g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
-        m_vec = tl.full([GROUP], float("-inf"), tl.float32)
-        s_vec = tl.zeros([GROUP], tl.float32)
+        m_vec = tl.full([SUBS], float("-inf"), tl.float32)
+        s_vec = tl.zeros([SUBS], tl.float32)
         offs = g_lo * (GROUP * CHUNK) + tile_lane
         raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (g_lo < g_hi), other=float("-inf"))
         for grp in range(g_lo, g_hi):
@@ -528,15 +591,17 @@ def _filter_stats_kernel(
             offs = (grp + 1) * (GROUP * CHUNK) + tile_lane
             raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (grp + 1 < g_hi), other=float("-inf"))
             lg = _clean(raw.to(tl.float32))
-            m_c = tl.max(lg, 1)
-            chunks = grp * GROUP + chunk_in_group
-            tl.store(cmax_row + chunks, m_c, mask=chunks < num_chunks)
-            m_new = tl.maximum(m_vec, m_c)
+            m_s = tl.max(lg, 1)
+            subs = grp * SUBS + sub_in_group
+            tl.store(submax_row + subs, m_s, mask=subs < num_subs)
+            chunks = grp * GROUP + tl.arange(0, GROUP)
+            tl.store(cmax_row + chunks, tl.max(tl.reshape(m_s, [GROUP, CHUNK // SUB]), 1), mask=chunks < num_chunks)
+            m_new = tl.maximum(m_vec, m_s)
             if need_sum:
-                m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
+                m_safe = tl.where(m_s > float("-inf"), m_s, 0.0)
                 s_c = tl.sum(tl.exp2((lg - m_safe[:, None]) * k), 1)
                 s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
-                    + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
+                    + tl.where(m_s > float("-inf"), s_c * tl.exp2((m_s - m_new) * k), 0.0)
             m_vec = m_new
         m_run = tl.max(m_vec, 0)
         s_run = tl.sum(tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
@@ -547,12 +612,13 @@ def _filter_stats_kernel(
 @triton.jit
 def _filter_threshold_kernel(
     logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    rec_m_ptr, rec_s_ptr, cmax_ptr, thr_ptr, scratch_ptr, buf_ptr,
-    num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks,
+    rec_m_ptr, rec_s_ptr, cmax_ptr, submax_ptr, thr_ptr, scratch_ptr, buf_ptr,
+    num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks, num_subs,
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
     CU_BLOCK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr,
-    PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr,
+    PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
+    FINE_SUBS: tl.constexpr,
 ):
     """Threshold pass, step 2: one program per slot writes thr[slot], the row's threshold logit
     (``_row_threshold``) for a filtered row and -inf for every other slot."""
@@ -570,21 +636,30 @@ def _filter_threshold_kernel(
             sv = tl.load(rec_s_ptr + rec, mask=s < num_splits, other=0.0, cache_modifier=".cg")
             row_max = tl.max(m, 0)
             row_sum = tl.sum(tl.where(m > float("-inf"), sv * tl.exp2((m - row_max) * k), 0.0), 0)
+            SCRATCH: tl.constexpr = CHUNKS_PAD + FINE_CHUNKS * (CHUNK // SUB) + CAP  # filter_scratch_stride
             thr = _row_threshold(
                 logits_ptr + row * logits_row_stride, cmax_ptr + slot.to(tl.int64) * num_chunks,
-                scratch_ptr + slot.to(tl.int64) * (CHUNKS_PAD + CAP), buf_ptr + slot.to(tl.int64) * CAP,
-                row_max, row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks, CHUNKS_PAD, CHUNK, CAP, TILE,
-                PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
+                submax_ptr + slot.to(tl.int64) * num_subs, scratch_ptr + slot.to(tl.int64) * SCRATCH,
+                buf_ptr + slot.to(tl.int64) * CAP, row_max, row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks,
+                num_subs, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE, SUB, FINE_CHUNKS,
+                FINE_SUBS)
     tl.store(thr_ptr + slot, thr)
+
+
+def filter_scratch_stride(chunks_pad: int) -> int:
+    """int32 scratch entries per row of the search: the chunk list (chunks_pad), the fine path's
+    sub-chunk list, the bracket's vocabulary indices (FILTER_CAP)."""
+    return chunks_pad + FILTER_FINE_CHUNKS * (SAMPLE_CHUNK // FILTER_SUB) + FILTER_CAP
 
 
 def threshold_workspace_sizes(slots: int, num_splits: int, num_chunks: int) -> tuple[int, int]:
     """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows: per slot its
-    split records (max, sum), its chunk maxima, its threshold and the CAP-entry bracket buffer
-    (float32); the chunk list (padded to a power of 2) and the bracket's vocabulary indices
-    (int32)."""
+    split records (max, sum), its chunk and sub-chunk maxima, its threshold and the CAP-entry
+    bracket buffer (float32); its search scratch (int32, ``filter_scratch_stride``)."""
     chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
-    return slots * (2 * num_splits + num_chunks + 1 + FILTER_CAP), slots * (chunks_pad + FILTER_CAP)
+    num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
+    return (slots * (2 * num_splits + num_chunks + num_subs + 1 + FILTER_CAP),
+            slots * filter_scratch_stride(chunks_pad))
 
 
 def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: torch.Tensor,
@@ -597,25 +672,25 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     row's threshold as -inf and skips the chunks whose max is below it."""
     R, V = target_logits.shape
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
+    num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
     chunks_pad = triton.next_power_of_2(num_chunks)
     n_rec = slots * num_splits
-    rec_m = f32[:n_rec]
-    rec_s = f32[n_rec:2 * n_rec]
-    cmax = f32[2 * n_rec:2 * n_rec + slots * num_chunks]
-    thr = f32[2 * n_rec + slots * num_chunks:2 * n_rec + slots * num_chunks + slots]
-    buf = f32[2 * n_rec + slots * num_chunks + slots:]
+    sizes = [n_rec, n_rec, slots * num_chunks, slots * num_subs, slots]
+    rec_m, rec_s, cmax, submax, thr = torch.split(f32[:sum(sizes)], sizes)
+    buf = f32[sum(sizes):]
     dummy = cu
     common = dict(TREE=tree, HAS_TEMPERATURE=temperature is not None, HAS_TOP_K=top_k is not None,
                   HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, CHUNK=SAMPLE_CHUNK, CU_BLOCK=cu_block)
     args = (target_logits, target_logits.stride(0), cu, dummy if temperature is None else temperature,
             dummy if top_k is None else top_k, dummy if top_p is None else top_p, dummy if min_p is None else min_p)
     _filter_stats_kernel[(slots * num_splits,)](
-        *args, rec_m, rec_s, cmax, num_requests, R, V, max_rows, num_splits, groups_per_split, num_groups,
-        num_chunks, GROUP=group, num_warps=num_warps, **common)
+        *args, rec_m, rec_s, cmax, submax, num_requests, R, V, max_rows, num_splits, groups_per_split, num_groups,
+        num_chunks, num_subs, GROUP=group, SUB=FILTER_SUB, num_warps=num_warps, **common)
     extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
     _filter_threshold_kernel[(slots,)](
-        *args, rec_m, rec_s, cmax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP, TILE=FILTER_TILE,
-        PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
-        num_warps=FILTER_WARPS, **common, **extra)
+        *args, rec_m, rec_s, cmax, submax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
+        num_subs, SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
+        TILE=FILTER_TILE, PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
+        SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, num_warps=FILTER_WARPS,
+        **common, **extra)
     return thr, cmax
