@@ -307,7 +307,7 @@ try:
                              scratch_ptr + r * scratch_stride, buf_ptr + r * CAP, tl.load(max_ptr + r),
                              tl.load(sum_ptr + r), k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
                              tl.load(min_p_ptr + r), vocab, num_chunks, num_chunks * 8, CHUNKS_PAD, 256, CAP, 8,
-                             PIVOT_TILE, 16, PIVOT_ACCUMULATE, 32, 64, 128)
+                             PIVOT_TILE, 16, PIVOT_ACCUMULATE, 32, 64, 64)
         tl.store(thr_ptr + r, thr)
 except ImportError:  # triton is optional
     _row_threshold_kernel = None

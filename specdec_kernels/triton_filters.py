@@ -7,8 +7,9 @@ with ``l(x) >= t``, one threshold logit ``t`` per row, so the verification kerne
 ``launch_row_thresholds`` computes it in two launches:
 
 - ``_filter_stats_kernel`` streams each filtered row once (split as the verification kernel
-  splits it) for its chunk maxima ``m_c``, its max ``M`` (and, for top-p without top-k, its
-  sum ``Z``);
+  splits it) for the maxima of its 256-logit chunks ``m_c`` and of its 32-logit sub-chunks,
+  and its max ``M`` (the sum ``Z``, needed only by top-p without top-k, is then computed by the
+  search's program);
 - ``_filter_threshold_kernel`` (one program per row) runs ``_row_threshold``:
 
   * *min-p* is a closed form: ``t_mp`` = the smallest float ``v`` with ``(v - M) k >=
@@ -389,7 +390,8 @@ def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max,
                    FINE_SUBS: tl.constexpr):
     """The threshold logit t of one row of a filtered request: the row keeps exactly l >= t.
 
-    row_max / row_sum: the row's max and sum of exp2((l - max) k) (``_stream_row_stats``);
+    row_max / row_sum: the row's max and its sum of exp2((l - max) k) (only read for top-p
+    without top-k; the kernel computes it only then);
     cmax_row / submax_row: its maxima per CHUNK and per SUB logits; top_k (int32, clamped to
     [-1, V]), top_p, min_p: the request's filters. -inf for a row without a valid logit.
     Brackets of up to SMALL tokens are sorted at that size. scratch_ptr: this row's int32
@@ -498,7 +500,8 @@ FILTER_PIVOTS = 16
 # up to FILTER_FINE_CHUNKS listed chunks (also its largest k), FILTER_FINE_SUBS gathered sub-chunks.
 FILTER_SUB = 32
 FILTER_FINE_CHUNKS = 64
-FILTER_FINE_SUBS = 128
+FILTER_FINE_SUBS = 64
+FILTER_SUM_BLOCK = 4096  # logits per step of the search program's row sum (top-p without top-k)
 
 
 @triton.jit
@@ -551,27 +554,25 @@ def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, T
 @triton.jit
 def _filter_stats_kernel(
     logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    rec_m_ptr, rec_s_ptr, cmax_ptr, submax_ptr,
+    rec_m_ptr, cmax_ptr, submax_ptr,
     num_requests, num_rows, vocab_size, max_rows, num_splits, groups_per_split, num_groups, num_chunks, num_subs,
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, CU_BLOCK: tl.constexpr,
 ):
     """Threshold pass, step 1: one program per (slot, split) of a filtered row streams its split
     once and writes the max of every chunk (cmax) and of every SUB logits (submax), per slot,
-    and the split's (max, sum of exp2((l - max) k)) record (the sum only for top-p without
-    top-k, 0 else). Unfiltered slots do nothing."""
+    and the split's max. Maxima only: the search needs the row's sum only for top-p without
+    top-k, and computes it then (a lighter stream for everything else). Unfiltered slots do
+    nothing."""
     unit = tl.program_id(0)
     slot = unit // num_splits
     s_idx = unit % num_splits
     b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
                                          TREE, HAS_TEMPERATURE, CU_BLOCK)
     filtered = tl.zeros([], tl.int1)
-    need_sum = tl.zeros([], tl.int1)
     if valid:
-        top_k, top_p, _, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
-                                                     HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        # Only top-p without top-k needs the row's sum (_row_threshold); the rest, the maxima.
-        need_sum = (top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab_size))
+        _, _, _, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
+                                             HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
     if filtered:
         row_ptr = logits_ptr + row * logits_row_stride
         cmax_row = cmax_ptr + slot.to(tl.int64) * num_chunks
@@ -583,7 +584,6 @@ def _filter_stats_kernel(
         g_lo = s_idx * groups_per_split
         g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
         m_vec = tl.full([SUBS], float("-inf"), tl.float32)
-        s_vec = tl.zeros([SUBS], tl.float32)
         offs = g_lo * (GROUP * CHUNK) + tile_lane
         raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (g_lo < g_hi), other=float("-inf"))
         for grp in range(g_lo, g_hi):
@@ -596,29 +596,35 @@ def _filter_stats_kernel(
             tl.store(submax_row + subs, m_s, mask=subs < num_subs)
             chunks = grp * GROUP + tl.arange(0, GROUP)
             tl.store(cmax_row + chunks, tl.max(tl.reshape(m_s, [GROUP, CHUNK // SUB]), 1), mask=chunks < num_chunks)
-            m_new = tl.maximum(m_vec, m_s)
-            if need_sum:
-                m_safe = tl.where(m_s > float("-inf"), m_s, 0.0)
-                s_c = tl.sum(tl.exp2((lg - m_safe[:, None]) * k), 1)
-                s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
-                    + tl.where(m_s > float("-inf"), s_c * tl.exp2((m_s - m_new) * k), 0.0)
-            m_vec = m_new
-        m_run = tl.max(m_vec, 0)
-        s_run = tl.sum(tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
-        tl.store(rec_m_ptr + unit, m_run)
-        tl.store(rec_s_ptr + unit, s_run)
+            m_vec = tl.maximum(m_vec, m_s)
+        tl.store(rec_m_ptr + unit, tl.max(m_vec, 0))
+
+
+@triton.jit
+def _row_sum(row_ptr, vocab_size, row_max, k, BLOCK: tl.constexpr):
+    """sum of exp2((l - row_max) k) over a row (sanitized logits), BLOCK logits per step, the
+    next block loaded before this one is summed."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    raw_next = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf"))
+    for start in range(0, vocab_size, BLOCK):
+        raw = raw_next
+        nxt = start + BLOCK + offs
+        raw_next = tl.load(row_ptr + nxt, mask=nxt < vocab_size, other=float("-inf"))
+        acc += tl.exp2((_clean(raw.to(tl.float32)) - row_max) * k)
+    return tl.sum(acc, 0)
 
 
 @triton.jit
 def _filter_threshold_kernel(
     logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    rec_m_ptr, rec_s_ptr, cmax_ptr, submax_ptr, thr_ptr, scratch_ptr, buf_ptr,
+    rec_m_ptr, cmax_ptr, submax_ptr, thr_ptr, scratch_ptr, buf_ptr,
     num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks, num_subs,
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
     CU_BLOCK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr,
     PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
-    FINE_SUBS: tl.constexpr,
+    FINE_SUBS: tl.constexpr, SUM_BLOCK: tl.constexpr,
 ):
     """Threshold pass, step 2: one program per slot writes thr[slot], the row's threshold logit
     (``_row_threshold``) for a filtered row and -inf for every other slot."""
@@ -631,14 +637,17 @@ def _filter_threshold_kernel(
                                                          HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
         if filtered:
             s = tl.arange(0, SPLITS_PAD)
-            rec = slot.to(tl.int64) * num_splits + s
-            m = tl.load(rec_m_ptr + rec, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
-            sv = tl.load(rec_s_ptr + rec, mask=s < num_splits, other=0.0, cache_modifier=".cg")
+            m = tl.load(rec_m_ptr + slot.to(tl.int64) * num_splits + s, mask=s < num_splits, other=float("-inf"),
+                        cache_modifier=".cg")
             row_max = tl.max(m, 0)
-            row_sum = tl.sum(tl.where(m > float("-inf"), sv * tl.exp2((m - row_max) * k), 0.0), 0)
+            row_ptr = logits_ptr + row * logits_row_stride
+            # Only top-p without top-k needs the row's sum (Z_k = Z): one more pass, in this program.
+            row_sum = tl.zeros([], tl.float32)
+            if (top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab_size)) & (row_max > float("-inf")):
+                row_sum = _row_sum(row_ptr, vocab_size, row_max, k, SUM_BLOCK)
             SCRATCH: tl.constexpr = CHUNKS_PAD + FINE_CHUNKS * (CHUNK // SUB) + CAP  # filter_scratch_stride
             thr = _row_threshold(
-                logits_ptr + row * logits_row_stride, cmax_ptr + slot.to(tl.int64) * num_chunks,
+                row_ptr, cmax_ptr + slot.to(tl.int64) * num_chunks,
                 submax_ptr + slot.to(tl.int64) * num_subs, scratch_ptr + slot.to(tl.int64) * SCRATCH,
                 buf_ptr + slot.to(tl.int64) * CAP, row_max, row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks,
                 num_subs, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE, SUB, FINE_CHUNKS,
@@ -654,11 +663,11 @@ def filter_scratch_stride(chunks_pad: int) -> int:
 
 def threshold_workspace_sizes(slots: int, num_splits: int, num_chunks: int) -> tuple[int, int]:
     """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows: per slot its
-    split records (max, sum), its chunk and sub-chunk maxima, its threshold and the CAP-entry
+    split maxima, its chunk and sub-chunk maxima, its threshold and the CAP-entry
     bracket buffer (float32); its search scratch (int32, ``filter_scratch_stride``)."""
     chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
-    return (slots * (2 * num_splits + num_chunks + num_subs + 1 + FILTER_CAP),
+    return (slots * (num_splits + num_chunks + num_subs + 1 + FILTER_CAP),
             slots * filter_scratch_stride(chunks_pad))
 
 
@@ -674,9 +683,8 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
     chunks_pad = triton.next_power_of_2(num_chunks)
-    n_rec = slots * num_splits
-    sizes = [n_rec, n_rec, slots * num_chunks, slots * num_subs, slots]
-    rec_m, rec_s, cmax, submax, thr = torch.split(f32[:sum(sizes)], sizes)
+    sizes = [slots * num_splits, slots * num_chunks, slots * num_subs, slots]
+    rec_m, cmax, submax, thr = torch.split(f32[:sum(sizes)], sizes)
     buf = f32[sum(sizes):]
     dummy = cu
     common = dict(TREE=tree, HAS_TEMPERATURE=temperature is not None, HAS_TOP_K=top_k is not None,
@@ -684,13 +692,14 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     args = (target_logits, target_logits.stride(0), cu, dummy if temperature is None else temperature,
             dummy if top_k is None else top_k, dummy if top_p is None else top_p, dummy if min_p is None else min_p)
     _filter_stats_kernel[(slots * num_splits,)](
-        *args, rec_m, rec_s, cmax, submax, num_requests, R, V, max_rows, num_splits, groups_per_split, num_groups,
+        *args, rec_m, cmax, submax, num_requests, R, V, max_rows, num_splits, groups_per_split, num_groups,
         num_chunks, num_subs, GROUP=group, SUB=FILTER_SUB, num_warps=num_warps, **common)
     extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
     _filter_threshold_kernel[(slots,)](
-        *args, rec_m, rec_s, cmax, submax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
+        *args, rec_m, cmax, submax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
         num_subs, SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
         TILE=FILTER_TILE, PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
-        SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, num_warps=FILTER_WARPS,
+        SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, SUM_BLOCK=FILTER_SUM_BLOCK,
+        num_warps=FILTER_WARPS,
         **common, **extra)
     return thr, cmax
