@@ -13,11 +13,14 @@ inputs: bench_rejection_sample.make_inputs, random logits N(0, 2^2) unless --sca
   unfiltered Triton call on the masked fp32 logits; ``sort only`` is that filtering step alone;
 - ``cuda``: the CUDA C++ kernel without filters, when built (it has no filters).
 
+``--breakdown`` prints each setting's GPU time per kernel (the threshold pass's stats stream and
+search, the verification kernel); ``--profile-one SETTING`` runs only that call (for ncu).
+
 Times as in bench_rejection_sample.py: ``graph`` = GPU time per call from a CUDA graph of
 several calls on distinct input sets (L2 flushed before each replay), ``eager`` = the Python
 call. ``vs_unfiltered`` = graph time over the unfiltered Triton graph time of the same
 configuration. ``--knobs`` also times the filtered call for several FILTER_CAP / FILTER_TILE
-values (triton_rejection_sample.py; each is a separate compile); ``--knob-runs`` times the
+values (specdec_kernels/triton_filters.py; each is a separate compile); ``--knob-runs`` times the
 chosen settings under explicit knob sets, e.g.
 ``"FILTER_MAXNREG=0 FILTER_PIVOT_ACCUMULATE=0;FILTER_MAXNREG=128 FILTER_PIVOT_ACCUMULATE=1 FILTER_PIVOT_TILE=1"``.
 

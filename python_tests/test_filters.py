@@ -374,6 +374,57 @@ def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
         assert torch.equal(got, keep[r] & finite[r]), (r, int(top_k[r]), float(top_p[r]), float(min_p[r]))
 
 
+@pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
+@pytest.mark.parametrize("vocab", [700, 8193])
+def test_threshold_pass_keeps_the_sorted_definition(vocab):
+    """The whole threshold pass (stats stream, then search; triton_filters.launch_row_thresholds)
+    on a ragged chain batch: every filtered row's threshold keeps exactly the sort-based set,
+    its chunk maxima are the row's, and the slots of greedy requests, unfiltered requests and
+    padding read -inf. Covers top-p alone (the search program's own row sum), the fine top-k
+    path (k <= 64) and the chunk-level one (k > 64)."""
+    from specdec_kernels import triton_filters as tf
+    from specdec_kernels.philox import SAMPLE_CHUNK
+    from specdec_kernels.triton_rejection_sample import GROUP, NUM_WARPS
+    device = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(vocab)
+    n = torch.tensor([2, 0, 1, 2, 2, 1])
+    B, L = len(n), 2
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32)
+    rows = int(n.sum()) + B
+    logits = (torch.randn(rows, vocab, generator=g) * 2).round(decimals=1)  # ties
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.9, 1.0])
+    top_k = torch.tensor([0, 50, 3, 0, 5, 100], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.3, 0.95, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    slots = B * (L + 1)
+    num_chunks = (vocab + SAMPLE_CHUNK - 1) // SAMPLE_CHUNK
+    num_groups = (num_chunks + GROUP - 1) // GROUP
+    groups_per_split = (num_groups + 1) // 2
+    num_splits = (num_groups + groups_per_split - 1) // groups_per_split
+    f_n, i_n = tf.threshold_workspace_sizes(slots, num_splits, num_chunks)
+    f32 = torch.full((f_n,), float("nan"), device=device)  # nothing may be read before written
+    i32 = torch.zeros(i_n, dtype=torch.int32, device=device)
+    thr, cmax = tf.launch_row_thresholds(
+        f32, i32, logits.to(device), cu.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
+        min_p.to(device), tree=False, num_requests=B, slots=slots, max_rows=L + 1, num_splits=num_splits,
+        groups_per_split=groups_per_split, num_groups=num_groups, group=GROUP, num_warps=NUM_WARPS)
+    thr, cmax = thr.cpu(), cmax.cpu().view(slots, num_chunks)
+    padded = torch.full((rows, num_chunks * SAMPLE_CHUNK), float("-inf"))
+    padded[:, :vocab] = logits
+    for b in range(B):
+        for t in range(L + 1):
+            slot = b * (L + 1) + t
+            filtered = temperature[b] > 0 and (0 < top_k[b] < vocab or top_p[b] < 1 or min_p[b] > 0)
+            if t > n[b] or not filtered:
+                assert thr[slot] == float("-inf"), (b, t)
+                continue
+            row = int(cu[b]) + b + t
+            keep = filter_keep_mask(logits[row].double(), 1 / temperature[b].double(), top_k[b], top_p[b].double(),
+                                    min_p[b].double())
+            assert torch.equal(logits[row] >= thr[slot], keep), (b, t)
+            assert torch.equal(cmax[slot], padded[row].view(num_chunks, SAMPLE_CHUNK).max(-1).values), (b, t)
+
+
 # --- agreement with the reference -------------------------------------------------------------------
 
 def _agree(backend, device, args, filters, method="token"):
