@@ -73,11 +73,11 @@ def rejection_sample(
         0 = off; None = off for every request.
 
         The filters apply to every target row of a random request (its draft rows and its
-        bonus row), in the order temperature -> top-k -> top-p -> min-p, inside the kernel
-        (a threshold search, no sort; docs/ALGORITHM.md §7): verification and the final token
-        use the filtered target, so the emitted tokens follow it exactly. ``draft_probs``
-        must be what the drafter sampled from (filtered or not is the drafter's business).
-        Greedy requests ignore them.
+        bonus row), in the order temperature -> top-k -> top-p -> min-p (a threshold pass of
+        two small kernels before the verification kernel, no sort; docs/ALGORITHM.md §7):
+        verification and the final token use the filtered target, so the emitted tokens
+        follow it exactly. ``draft_probs`` must be what the drafter sampled from (filtered or
+        not is the drafter's business). Greedy requests ignore them.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
         "auto" runs calls with any of ``top_k`` / ``top_p`` / ``min_p`` on the Triton kernel:

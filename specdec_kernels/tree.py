@@ -56,9 +56,9 @@ def tree_rejection_sample(
         which synchronizes: pass it on the hot path.
     top_k, top_p, min_p : Tensor [B] or None
         Per-request sampling filters, as in ``rejection_sample``: they apply to every node's
-        target row of a random request (temperature -> top-k -> top-p -> min-p, inside the
-        kernel); the walk and the final token use the filtered target. Greedy requests ignore
-        them.
+        target row of a random request (temperature -> top-k -> top-p -> min-p; a threshold
+        pass before the kernel, docs/ALGORITHM.md §7); the walk and the final token use the
+        filtered target. Greedy requests ignore them.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (on CUDA tensors: the CUDA C++ kernel when it was
         built, else the Triton kernel; calls with filters run the Triton kernel, since the CUDA
