@@ -376,13 +376,16 @@ def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
 
 @pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
 @pytest.mark.parametrize("vocab", [700, 8193])
-def test_threshold_pass_keeps_the_sorted_definition(vocab):
+@pytest.mark.parametrize("stats_programs", [0, 64])  # 64: 5 splits of one tile at V = 8193
+def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, monkeypatch):
     """The whole threshold pass (stats stream, then search; triton_filters.launch_row_thresholds)
     on a ragged chain batch: every filtered row's threshold keeps exactly the sort-based set,
     its chunk maxima are the row's, and the slots of greedy requests, unfiltered requests and
     padding read -inf. Covers top-p alone (the search program's own row sum), the fine top-k
-    path (k <= 64) and the chunk-level one (k > 64)."""
+    path (k <= 64) and the chunk-level one (k > 64); the stats stream split as the verification
+    kernel's (2 splits) or by FILTER_STATS_PROGRAMS_PER_SM."""
     from specdec_kernels import triton_filters as tf
+    monkeypatch.setattr(tf, "FILTER_STATS_PROGRAMS_PER_SM", stats_programs)
     from specdec_kernels.philox import SAMPLE_CHUNK
     from specdec_kernels.triton_rejection_sample import GROUP, NUM_WARPS
     device = "cuda" if HAS_CUDA else "cpu"
@@ -401,7 +404,7 @@ def test_threshold_pass_keeps_the_sorted_definition(vocab):
     num_groups = (num_chunks + GROUP - 1) // GROUP
     groups_per_split = (num_groups + 1) // 2
     num_splits = (num_groups + groups_per_split - 1) // groups_per_split
-    f_n, i_n = tf.threshold_workspace_sizes(slots, num_splits, num_chunks)
+    f_n, i_n = tf.threshold_workspace_sizes(slots, num_groups, num_chunks)
     f32 = torch.full((f_n,), float("nan"), device=device)  # nothing may be read before written
     i32 = torch.zeros(i_n, dtype=torch.int32, device=device)
     thr, cmax = tf.launch_row_thresholds(

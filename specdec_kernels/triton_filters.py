@@ -495,6 +495,9 @@ FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "1"))
 FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "1") == "1"
 FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
 FILTER_WARPS = int(os.environ.get("SPECDEC_TRITON_FILTER_WARPS", "4"))
+# Programs per SM the stats stream aims at when splitting rows (0: the verification kernel's
+# split). Not tuned yet: the stream ran at 28% achieved occupancy with that split (B = 32).
+FILTER_STATS_PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_FILTER_STATS_PROGRAMS_PER_SM", "0"))
 FILTER_PIVOTS = 16
 # The finer maxima of the stats stream (every FILTER_SUB logits) and the fine top-k path's sizes:
 # up to FILTER_FINE_CHUNKS listed chunks (also its largest k), FILTER_FINE_SUBS gathered sub-chunks.
@@ -661,21 +664,35 @@ def filter_scratch_stride(chunks_pad: int) -> int:
     return chunks_pad + FILTER_FINE_CHUNKS * (SAMPLE_CHUNK // FILTER_SUB) + FILTER_CAP
 
 
-def threshold_workspace_sizes(slots: int, num_splits: int, num_chunks: int) -> tuple[int, int]:
-    """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows: per slot its
-    split maxima, its chunk and sub-chunk maxima, its threshold and the CAP-entry
-    bracket buffer (float32); its search scratch (int32, ``filter_scratch_stride``)."""
+def threshold_workspace_sizes(slots: int, num_groups: int, num_chunks: int) -> tuple[int, int]:
+    """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows of
+    ``num_groups`` tiles: per slot its split maxima (at most one split per tile), its chunk and
+    sub-chunk maxima, its threshold and the CAP-entry bracket buffer (float32); its search
+    scratch (int32, ``filter_scratch_stride``)."""
     chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
-    return (slots * (num_splits + num_chunks + num_subs + 1 + FILTER_CAP),
+    return (slots * (num_groups + num_chunks + num_subs + 1 + FILTER_CAP),
             slots * filter_scratch_stride(chunks_pad))
+
+
+def _stats_split(slots: int, num_groups: int, num_splits: int, groups_per_split: int, device) -> tuple[int, int]:
+    """(splits, tiles per split) of the stats stream: the verification kernel's, or
+    FILTER_STATS_PROGRAMS_PER_SM programs per SM (2 "SMs" off the GPU)."""
+    if FILTER_STATS_PROGRAMS_PER_SM <= 0:
+        return num_splits, groups_per_split
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    splits = max(1, min(triton.cdiv(FILTER_STATS_PROGRAMS_PER_SM * sms, max(slots, 1)), num_groups))
+    per_split = triton.cdiv(num_groups, splits)
+    return triton.cdiv(num_groups, per_split), per_split
 
 
 def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: torch.Tensor,
                           cu: torch.Tensor, temperature, top_k, top_p, min_p, *, tree: bool, num_requests: int,
                           slots: int, max_rows: int, num_splits: int, groups_per_split: int, num_groups: int,
                           group: int, num_warps: int, cu_block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the threshold pass (two launches, no host sync) over ``slots`` target rows and return
+    """Run the threshold pass (two launches, no host sync) over ``slots`` target rows (split as
+    the verification kernel splits them: ``num_splits`` x ``groups_per_split`` tiles, unless
+    FILTER_STATS_PROGRAMS_PER_SM says otherwise) and return
     (thr [slots], cmax [slots * num_chunks]), views of the workspace ``f32`` (sized by
     ``threshold_workspace_sizes``). The verification kernel then treats every logit below its
     row's threshold as -inf and skips the chunks whose max is below it."""
@@ -683,7 +700,9 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
     chunks_pad = triton.next_power_of_2(num_chunks)
-    sizes = [slots * num_splits, slots * num_chunks, slots * num_subs, slots]
+    num_splits, groups_per_split = _stats_split(slots, num_groups, num_splits, groups_per_split,
+                                                target_logits.device)
+    sizes = [slots * num_groups, slots * num_chunks, slots * num_subs, slots]
     rec_m, cmax, submax, thr = torch.split(f32[:sum(sizes)], sizes)
     buf = f32[sum(sizes):]
     dummy = cu

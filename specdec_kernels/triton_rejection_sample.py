@@ -688,7 +688,7 @@ def rejection_sample_triton(
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
     has_filters = top_k is not None or top_p is not None or min_p is not None
     slots = B * (L + 1)
-    flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_splits, num_chunks) if has_filters else (0, 0)
+    flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
     thr, cmax = f32, f32
     if has_filters:

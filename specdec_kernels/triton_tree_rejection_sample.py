@@ -448,7 +448,7 @@ def tree_rejection_sample_triton(
     n_f32 = 2 * units_phase1 + 2 * n_table + B * num_chunks
     # Sampling filters: the threshold pass's workspace follows (per node row).
     has_filters = top_k is not None or top_p is not None or min_p is not None
-    flt_f32, flt_i32 = threshold_workspace_sizes(N, num_splits, num_chunks) if has_filters else (0, 0)
+    flt_f32, flt_i32 = threshold_workspace_sizes(N, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1)
     thr, cmax = f32, f32
     if has_filters:
