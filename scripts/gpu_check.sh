@@ -13,7 +13,9 @@
 #   TESTS=python_tests/test_filters.py TEST_TIMEOUT=540 BENCH=0 bash scripts/gpu_check.sh
 #   DIAGNOSE=1                                 (scripts/diagnose_block_agreement.py: block-mode
 #                                               disagreements with the reference, issue #9)
-#   FILTER_BENCH=1                             (benchmarks/bench_filters.py: issue #6's bar)
+#   FILTER_BENCH=1                             (benchmarks/bench_filters.py: issue #6's bar, with the
+#                                               per-kernel breakdown; FILTER_KNOBS="FILTER_STATS_PROGRAMS_PER_SM=8;..."
+#                                               also times k50 p0.9 under those knob sets)
 #   TREE_BENCH="64"                            (benchmarks/bench_tree_rejection_sample.py --nodes ...)
 #   PROFILE=1                                  (benchmarks/tune_cuda_plan.py: the CUDA plans' units
 #                                               per CTA swept on the bar shapes; then ncu sections
@@ -65,7 +67,11 @@ fi
 
 if [ "${FILTER_BENCH:-0}" = "1" ]; then
   start=$(date +%s)
-  timeout 300 python3 benchmarks/bench_filters.py --out "$OUT" ${FILTER_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -30
+  timeout 300 python3 benchmarks/bench_filters.py --out "$OUT" --breakdown ${FILTER_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -40
+  if [ -n "${FILTER_KNOBS:-}" ]; then
+    timeout 200 python3 benchmarks/bench_filters.py --out "$OUT" --tag knobs --batches 32 --configs bf16 --no-sort \
+      --settings "k50 p0.9" --knob-runs "$FILTER_KNOBS" 2>&1 | tee -a "$OUT/run.log" | grep graph
+  fi
   echo "filter bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
