@@ -475,20 +475,24 @@ def test_triton_interpreter_counting_passes_agree(small_bracket, vocab, dtype):
 @pytest.mark.parametrize("draft_probs", [False, True])
 def test_triton_interpreter_skips_tiles_without_kept_chunks(draft_probs):
     """V = 8193 (5 tiles of 8 chunks): with top-k 3 most tiles hold no kept token, and the
-    kernels skip them (their table entries written empty), in the chain and the tree kernel."""
+    kernels skip them (their table entries written empty), in the chain and the tree kernel;
+    the last request has every filter off (its rows take the plain loop of a filtered call)."""
     from specdec_kernels.philox import SAMPLE_CHUNK
     vocab = 8193
-    args = random_batch(3, 2, vocab, draft_probs=draft_probs, seed=77 + draft_probs)
-    filters = (torch.tensor([3, 0, 40]), torch.tensor([1.0, 0.5, 0.95]), torch.tensor([0.0, 0.0, 0.2]))
+    args = random_batch(8, 3, vocab, draft_probs=draft_probs, seed=77 + draft_probs)
+    args = args[:4] + (torch.tensor([1.0, 0.8, 1.2, 0.9, 1.0, 0.7, 1.1, 1.3]),) + args[5:]  # none greedy
+    off = [0, 0, 0, 0]  # requests 3..7: every filter off (4 of them: enough tokens to notice a wrong stream)
+    filters = (torch.tensor([3, 0, 40] + off + [0]), torch.tensor([1.0, 0.5, 0.95] + [1.0] * 5),
+               torch.tensor([0.0, 0.0, 0.2] + [0.0] * 5))
     # The premise: a top-3 row keeps at most 3 chunks, so at least 2 of its 5 tiles have none.
     tiles = (vocab + 8 * SAMPLE_CHUNK - 1) // (8 * SAMPLE_CHUNK)
     assert tiles - 3 >= 2
     assert _agree("triton", "cpu", args, filters) == 1.0
     from test_tree import _random_trees
-    logits, tokens, parents, cu = _random_trees(3, vocab, seed=5 + draft_probs)
+    logits, tokens, parents, cu = _random_trees(8, vocab, seed=5 + draft_probs)
     probs = torch.softmax(torch.randn(logits.shape, generator=torch.Generator().manual_seed(2)), -1) \
         if draft_probs else None
-    temp, seeds = torch.tensor([1.0, 0.8, 1.2]), torch.arange(3) * 31 + 5
+    temp, seeds = args[4], torch.arange(8) * 31 + 5
     ref = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
                                                 backend="reference")
     got = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,

@@ -110,6 +110,50 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 
 
 @triton.jit
+def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
+                       table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+    """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
+    this one is reduced."""
+    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
+    for grp in range(g_lo, g_hi):
+        raw = raw_next
+        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=grp + 1 < g_hi, other=0.0)
+        m_vec, s_vec, am_vec = _stream_tile(
+            raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec, s_vec,
+            am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+    return m_vec, s_vec, am_vec
+
+
+@triton.jit
+def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_group, k, greedy, excluded, m_vec,
+                       s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr,
+                       GROUP: tl.constexpr):
+    """``_stream_full_tiles`` for a filtered row (threshold thr > -inf): logits below thr count
+    as -inf, chunks whose max (cmax_row, the threshold pass's) is below it are not loaded, and a
+    tile without a kept chunk only writes its empty table entries (the loop is instruction-bound:
+    skipping loads alone saves no time). Chunk maxima are read two tiles ahead."""
+    keep_next = _kept_chunks(cmax_row, g_lo * GROUP + chunk_in_group, thr, num_chunks)
+    keep_after = _kept_chunks(cmax_row, (g_lo + 1) * GROUP + chunk_in_group,
+                              tl.where(g_lo + 1 < g_hi, thr, float("-inf")), num_chunks)
+    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane, mask=keep_next[:, None], other=float("-inf"))
+    for grp in range(g_lo, g_hi):
+        raw = raw_next
+        keep_cur = keep_next
+        keep_next = keep_after & (grp + 1 < g_hi)
+        keep_after = _kept_chunks(cmax_row, (grp + 2) * GROUP + chunk_in_group,
+                                  tl.where(grp + 2 < g_hi, thr, float("-inf")), num_chunks)
+        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=keep_next[:, None],
+                           other=float("-inf"))
+        if tl.max(keep_cur.to(tl.int32), 0) > 0:
+            m_vec, s_vec, am_vec = _stream_tile(
+                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec,
+                s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, thr, True)
+        else:
+            _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
+    return m_vec, s_vec, am_vec
+
+
+@triton.jit
 def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row_max, row_sum,
                      seed, offset, node, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
                      STREAM_SAMPLE: tl.constexpr, scale=1.0, thr=0.0, FILTERED: tl.constexpr = False):
@@ -402,39 +446,21 @@ def _rejection_sample_kernel(
             if HAS_FILTERS:
                 thr_row = tl.load(thr_ptr + b * (max_spec_len + 1) + t)
             if row_ok & (g_lo < full_hi):
-                # Whole tiles: no masks (but the filters'); the next tile is loaded before this
-                # one is reduced, the chunk maxima two tiles ahead.
+                # Whole tiles. A call with filters streams its unfiltered rows (thr = -inf) with
+                # the plain loop too, so that passing filter arguments costs them nothing.
                 if HAS_FILTERS:
-                    keep_next = _kept_chunks(cmax_row, g_lo * GROUP + chunk_in_group, thr_row, num_chunks)
-                    keep_after = _kept_chunks(cmax_row, (g_lo + 1) * GROUP + chunk_in_group, thr_row, num_chunks)
-                    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane, mask=keep_next[:, None],
-                                       other=NEG_INF)
-                else:
-                    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
-                for grp in range(g_lo, full_hi):
-                    raw = raw_next
-                    if HAS_FILTERS:
-                        keep_cur = keep_next
-                        keep_next = keep_after & (grp + 1 < full_hi)
-                        keep_after = _kept_chunks(cmax_row, (grp + 2) * GROUP + chunk_in_group,
-                                                  tl.where(grp + 2 < full_hi, thr_row, NEG_INF), num_chunks)
-                        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
-                                           mask=keep_next[:, None], other=NEG_INF)
-                        # A tile without a kept chunk adds nothing but its empty table entries
-                        # (the loop is instruction-bound: skipping its loads alone saves no time).
-                        if tl.max(keep_cur.to(tl.int32), 0) > 0:
-                            m_vec, s_vec, am_vec = _stream_tile(
-                                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                                excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                                thr_row, HAS_FILTERS)
-                        else:
-                            _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
-                    else:
-                        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane,
-                                           mask=grp + 1 < full_hi, other=0.0)
-                        m_vec, s_vec, am_vec = _stream_tile(
-                            raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
+                    if thr_row > NEG_INF:
+                        m_vec, s_vec, am_vec = _stream_kept_tiles(
+                            row_ptr, g_lo, full_hi, cmax_row, thr_row, tile_lane, chunk_in_group, k, greedy,
                             excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                    else:
+                        m_vec, s_vec, am_vec = _stream_full_tiles(
+                            row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
+                            am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                else:
+                    m_vec, s_vec, am_vec = _stream_full_tiles(
+                        row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
+                        table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
             tail = tl.maximum(g_lo, full_groups)
             if row_ok & (tail < g_hi):
                 # The last, partial tile of the vocabulary.

@@ -92,6 +92,32 @@ def _node_threshold(thr_ptr, row, HAS_FILTERS: tl.constexpr):
 
 
 @triton.jit
+def _stream_row_tiles(row_ptr, g_lo, g_hi, vocab_size, cmax_row, thr, tile_lane, chunk_in_group, k, greedy,
+                      excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr,
+                      GROUP: tl.constexpr, FILTERED: tl.constexpr):
+    """Stream tiles g_lo .. g_hi - 1 of a node's row. FILTERED (threshold thr > -inf): logits
+    below thr count as -inf, chunks whose max (cmax_row) is below it are not loaded, and a tile
+    without a kept chunk only writes its empty table entries."""
+    for grp in range(g_lo, g_hi):
+        offs = grp * (GROUP * CHUNK) + tile_lane
+        if FILTERED:
+            keep = _kept_chunks(cmax_row, grp * GROUP + chunk_in_group, thr, num_chunks)
+            if tl.max(keep.to(tl.int32), 0) > 0:
+                raw = tl.load(row_ptr + offs, mask=(offs < vocab_size) & keep[:, None], other=float("-inf"))
+                m_vec, s_vec, am_vec = _stream_tile(
+                    raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded,
+                    m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, thr, True)
+            else:
+                _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
+        else:
+            raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf"))
+            m_vec, s_vec, am_vec = _stream_tile(
+                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec,
+                s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+    return m_vec, s_vec, am_vec
+
+
+@triton.jit
 def _next_child(parents_ptr, cu_lo, n, v, after, NODE_BLOCK: tl.constexpr):
     """The first child of local node v with local index > after, -1 if none. A parent link
     counts only if 0 <= parent < child (the reference's rule)."""
@@ -296,24 +322,21 @@ def _tree_rejection_sample_kernel(
             # Sampling filters: logits below the row's threshold count as -inf, chunks whose
             # max is below it are not read (threshold pass, triton_filters.py).
             thr_row = _node_threshold(thr_ptr, row, HAS_FILTERS)
-            for grp in range(g_lo, g_hi):
-                offs = grp * (GROUP * CHUNK) + tile_lane
-                if HAS_FILTERS:
-                    keep = _kept_chunks(cmax_ptr + row * num_chunks, grp * GROUP + chunk_in_group, thr_row,
-                                        num_chunks)
-                    if tl.max(keep.to(tl.int32), 0) > 0:
-                        raw = tl.load(row_ptr + offs, mask=(offs < vocab_size) & keep[:, None], other=NEG_INF)
-                        m_vec, s_vec, am_vec = _stream_tile(
-                            raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                            excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                            thr_row, HAS_FILTERS)
-                    else:  # no kept chunk in this tile
-                        _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
+            # (Unfiltered rows of a call with filters take the plain loop.)
+            if HAS_FILTERS:
+                if thr_row > NEG_INF:
+                    m_vec, s_vec, am_vec = _stream_row_tiles(
+                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, tile_lane,
+                        chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row,
+                        num_chunks, CHUNK, GROUP, True)
                 else:
-                    raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
-                    m_vec, s_vec, am_vec = _stream_tile(
-                        raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy,
-                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                    m_vec, s_vec, am_vec = _stream_row_tiles(
+                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
+                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
+            else:
+                m_vec, s_vec, am_vec = _stream_row_tiles(
+                    row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
+                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
             m_run = tl.max(m_vec, 0)
             live = m_vec > NEG_INF
             s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
