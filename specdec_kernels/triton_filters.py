@@ -39,15 +39,10 @@ import triton
 import triton.language as tl
 
 from .philox import SAMPLE_CHUNK
+from .triton_rejection_sample import _sanitize
 from .triton_tree_rejection_sample import _owner_request, _sanitized_cu
 
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
-
-
-@triton.jit
-def _clean(logits):
-    """NaN -> -inf, +inf -> FLT_MAX (the kernels' sanitize)."""
-    return tl.clamp(logits, float("-inf"), 3.4028234663852886e38)
 
 
 @triton.jit
@@ -98,17 +93,22 @@ def _min_p_key(row_max, k, log2_min_p):
 
 
 @triton.jit
-def _qualify(m_c, in_table, lo, list_ptr):
-    """Write the ids of the chunks whose max has key >= lo to list_ptr (ascending) and return
-    how many: only those can hold a token with key >= lo. (The loops read the list back one
-    tile ahead; chunk ids computed in registers per tile cost two cross-warp reductions per
-    tile, which measured slower.)"""
-    c = tl.arange(0, m_c.shape[0])
-    hit = in_table & (_key(m_c) >= lo)
+def _list_at_or_above(maxima, ok, lo, ids, list_ptr):
+    """Write the ids of the ``ok`` entries whose max has key >= lo to list_ptr (in order) and
+    return how many: only those (chunks, sub-chunks) can hold a token with key >= lo."""
+    hit = ok & (_key(maxima) >= lo)
     pos = tl.cumsum(hit.to(tl.int32), 0) - 1
-    tl.store(list_ptr + pos, c, mask=hit)
+    tl.store(list_ptr + pos, ids, mask=hit)
     tl.debug_barrier()
     return tl.sum(hit.to(tl.int32), 0)
+
+
+@triton.jit
+def _qualify(m_c, in_table, lo, list_ptr):
+    """``_list_at_or_above`` of the chunk table (ids ascending). (The loops read the list back
+    one tile ahead; chunk ids computed in registers per tile cost two cross-warp reductions per
+    tile, which measured slower.)"""
+    return _list_at_or_above(m_c, in_table, lo, tl.arange(0, m_c.shape[0]), list_ptr)
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, C
         raw, offs, ok = raw_nxt, offs_nxt, ok_nxt
         raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
         chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
-        lg = tl.reshape(_clean(raw.to(tl.float32)), [TILE * CHUNK])
+        lg = tl.reshape(_sanitize(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = (tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)).to(tl.int32)
         pos = count + tl.cumsum(inside, 0) - 1
@@ -211,7 +211,7 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
         raw, ok = raw_nxt, ok_nxt
         raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
         chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
-        lg = tl.reshape(_clean(raw.to(tl.float32)), [TILE * CHUNK])
+        lg = tl.reshape(_sanitize(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)
         e = tl.where(inside, tl.exp2((lg - row_max) * k), 0.0)
@@ -371,11 +371,7 @@ def _fine_bracket(row_ptr, submax_row, m_c, in_table, list_ptr, sub_list_ptr, id
         sv = tl.reshape(sv, [FINE_CHUNKS * SUBS_PER_CHUNK])
         live = tl.reshape(live, [FINE_CHUNKS * SUBS_PER_CHUNK])
         lo = tl.maximum(lo0, _chunk_bound(sv, live, row_max, k, False, top_k, 0.0, PIVOTS))
-        hit = live & (_key(sv) >= lo)
-        pos = tl.cumsum(hit.to(tl.int32), 0) - 1
-        tl.store(sub_list_ptr + pos, sid, mask=hit)
-        tl.debug_barrier()
-        n_sub = tl.sum(hit.to(tl.int32), 0)
+        n_sub = _list_at_or_above(sv, live, lo, sid, sub_list_ptr)
         if n_sub <= FINE_SUBS:
             n_b = _gather(row_ptr, sub_list_ptr, n_sub, lo, top, buf_ptr, idx_ptr, vocab_size, CAP, FINE_SUBS, SUB)
             ok = n_b <= CAP
@@ -593,7 +589,7 @@ def _filter_stats_kernel(
             raw = raw_next
             offs = (grp + 1) * (GROUP * CHUNK) + tile_lane
             raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (grp + 1 < g_hi), other=float("-inf"))
-            lg = _clean(raw.to(tl.float32))
+            lg = _sanitize(raw.to(tl.float32))
             m_s = tl.max(lg, 1)
             subs = grp * SUBS + sub_in_group
             tl.store(submax_row + subs, m_s, mask=subs < num_subs)
@@ -614,7 +610,7 @@ def _row_sum(row_ptr, vocab_size, row_max, k, BLOCK: tl.constexpr):
         raw = raw_next
         nxt = start + BLOCK + offs
         raw_next = tl.load(row_ptr + nxt, mask=nxt < vocab_size, other=float("-inf"))
-        acc += tl.exp2((_clean(raw.to(tl.float32)) - row_max) * k)
+        acc += tl.exp2((_sanitize(raw.to(tl.float32)) - row_max) * k)
     return tl.sum(acc, 0)
 
 
@@ -622,7 +618,7 @@ def _row_sum(row_ptr, vocab_size, row_max, k, BLOCK: tl.constexpr):
 def _filter_threshold_kernel(
     logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     rec_m_ptr, cmax_ptr, submax_ptr, thr_ptr, scratch_ptr, buf_ptr,
-    num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks, num_subs,
+    num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks, num_subs, scratch_stride,
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
     CU_BLOCK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr,
@@ -648,10 +644,9 @@ def _filter_threshold_kernel(
             row_sum = tl.zeros([], tl.float32)
             if (top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab_size)) & (row_max > float("-inf")):
                 row_sum = _row_sum(row_ptr, vocab_size, row_max, k, SUM_BLOCK)
-            SCRATCH: tl.constexpr = CHUNKS_PAD + FINE_CHUNKS * (CHUNK // SUB) + CAP  # filter_scratch_stride
             thr = _row_threshold(
                 row_ptr, cmax_ptr + slot.to(tl.int64) * num_chunks,
-                submax_ptr + slot.to(tl.int64) * num_subs, scratch_ptr + slot.to(tl.int64) * SCRATCH,
+                submax_ptr + slot.to(tl.int64) * num_subs, scratch_ptr + slot.to(tl.int64) * scratch_stride,
                 buf_ptr + slot.to(tl.int64) * CAP, row_max, row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks,
                 num_subs, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE, SUB, FINE_CHUNKS,
                 FINE_SUBS)
@@ -716,7 +711,7 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
     _filter_threshold_kernel[(slots,)](
         *args, rec_m, cmax, submax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
-        num_subs, SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
+        num_subs, filter_scratch_stride(chunks_pad), SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
         TILE=FILTER_TILE, PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
         SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, SUM_BLOCK=FILTER_SUM_BLOCK,
         num_warps=FILTER_WARPS,

@@ -320,17 +320,6 @@ def _write_outputs(b, t_star, drafts, token, out_tokens_ptr, out_num_accepted_pt
 
 
 @triton.jit
-def _row_stats(rec_m_ptr, rec_s_ptr, row_slot, num_splits, k, SPLITS_PAD: tl.constexpr):
-    """A row's max and sum of exp2((l - max) k) from its split records."""
-    s = tl.arange(0, SPLITS_PAD)
-    mask = s < num_splits
-    m = tl.load(rec_m_ptr + row_slot * num_splits + s, mask=mask, other=float("-inf"), cache_modifier=".cg")
-    sv = tl.load(rec_s_ptr + row_slot * num_splits + s, mask=mask, other=0.0, cache_modifier=".cg")
-    row_max = tl.max(m, 0)
-    return row_max, tl.sum(tl.where(m > float("-inf"), sv * tl.exp2((m - row_max) * k), 0.0), 0)
-
-
-@triton.jit
 def _kept_chunks(cmax_row, chunks, thr, num_chunks):
     """Which chunks hold a logit >= thr (their max from the threshold pass is): all of them,
     without a load, when thr = -inf. Chunks past the table's end read as kept (callers mask
@@ -446,21 +435,16 @@ def _rejection_sample_kernel(
             if HAS_FILTERS:
                 thr_row = tl.load(thr_ptr + b * (max_spec_len + 1) + t)
             if row_ok & (g_lo < full_hi):
-                # Whole tiles. A call with filters streams its unfiltered rows (thr = -inf) with
-                # the plain loop too, so that passing filter arguments costs them nothing.
-                if HAS_FILTERS:
-                    if thr_row > NEG_INF:
-                        m_vec, s_vec, am_vec = _stream_kept_tiles(
-                            row_ptr, g_lo, full_hi, cmax_row, thr_row, tile_lane, chunk_in_group, k, greedy,
-                            excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
-                    else:
-                        m_vec, s_vec, am_vec = _stream_full_tiles(
-                            row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
-                            am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                # Whole tiles. Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the
+                # compiler drops the other branch) take the plain loop, also in a filtered call.
+                if thr_row > NEG_INF:
+                    m_vec, s_vec, am_vec = _stream_kept_tiles(
+                        row_ptr, g_lo, full_hi, cmax_row, thr_row, tile_lane, chunk_in_group, k, greedy,
+                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
                 else:
                     m_vec, s_vec, am_vec = _stream_full_tiles(
-                        row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
-                        table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                        row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
+                        am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
             tail = tl.maximum(g_lo, full_groups)
             if row_ok & (tail < g_hi):
                 # The last, partial tile of the vocabulary.

@@ -322,17 +322,13 @@ def _tree_rejection_sample_kernel(
             # Sampling filters: logits below the row's threshold count as -inf, chunks whose
             # max is below it are not read (threshold pass, triton_filters.py).
             thr_row = _node_threshold(thr_ptr, row, HAS_FILTERS)
-            # (Unfiltered rows of a call with filters take the plain loop.)
-            if HAS_FILTERS:
-                if thr_row > NEG_INF:
-                    m_vec, s_vec, am_vec = _stream_row_tiles(
-                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, tile_lane,
-                        chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row,
-                        num_chunks, CHUNK, GROUP, True)
-                else:
-                    m_vec, s_vec, am_vec = _stream_row_tiles(
-                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
-                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
+            # Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the compiler drops
+            # the other branch) take the plain loop, also in a filtered call.
+            if thr_row > NEG_INF:
+                m_vec, s_vec, am_vec = _stream_row_tiles(
+                    row_ptr, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, tile_lane,
+                    chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row,
+                    num_chunks, CHUNK, GROUP, True)
             else:
                 m_vec, s_vec, am_vec = _stream_row_tiles(
                     row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
