@@ -61,6 +61,13 @@ DEFAULT_SETTINGS = ["k50 p0.9", "k50", "p0.9", "minp0.05", "k50 p0.9 minp0.05"]
 CONFIGS = {"bf16": ("bf16", False), "fp32+draft": ("fp32", True)}
 
 
+def op_call(inp: dict, k: int, backend: str, filters: dict | None = None):
+    """The op on one input set, as a zero-argument callable (filters: top_k / top_p / min_p)."""
+    return lambda: specdec_kernels.rejection_sample(
+        inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"],
+        inp["temperature"], inp["seeds"], inp["offsets"], k, backend=backend, **(filters or {}))
+
+
 def kernel_breakdown(fns, calls: int = 32) -> list[tuple[str, float]]:
     """GPU time per call of each kernel the calls launch, from torch.profiler (eager calls over
     the input sets in turn)."""
@@ -150,11 +157,9 @@ def main():
     if args.profile_one:
         batch, (dtype, probs) = int(args.batches.split(",")[0]), configs[0]
         inp = scaled_inputs(batch, args.k, args.vocab, dtype, probs, 0, float(args.scale.split(",")[0]))
-        f = filter_tensors(batch, FILTER_SETTINGS[args.profile_one])
+        run = op_call(inp, args.k, "triton", filter_tensors(batch, FILTER_SETTINGS[args.profile_one]))
         for _ in range(6):
-            specdec_kernels.rejection_sample(
-                inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"],
-                inp["temperature"], inp["seeds"], inp["offsets"], args.k, backend="triton", **f)
+            run()
         torch.cuda.synchronize()
         return
     info = versions()
@@ -174,13 +179,6 @@ def main():
                 sets = [scaled_inputs(batch, k, args.vocab, dtype, probs, seed, scale) for seed in range(n_sets)]
                 row_to_request = torch.repeat_interleave(torch.arange(batch, device="cuda"), k + 1)
 
-                def call(inp, backend, filters=None):
-                    f = filters or {}
-                    return lambda: specdec_kernels.rejection_sample(
-                        inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"],
-                        inp["draft_probs"], inp["temperature"], inp["seeds"], inp["offsets"], k,
-                        backend=backend, **f)
-
                 def sort_only(inp):
                     f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
                     return lambda: sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
@@ -198,13 +196,13 @@ def main():
                             inp["seeds"], inp["offsets"], k, backend="triton")
                     return run
 
-                variants = [("triton", lambda inp: call(inp, "triton"))]
-                variants += [(f"triton {name}", lambda inp, s=s: call(inp, "triton", filter_tensors(batch, s)))
+                variants = [("triton", lambda inp: op_call(inp, k, "triton"))]
+                variants += [(f"triton {name}", lambda inp, s=s: op_call(inp, k, "triton", filter_tensors(batch, s)))
                              for name, s in FILTER_SETTINGS.items() if name in settings]
                 if not args.no_sort:
                     variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
                 if cuda_built:
-                    variants.append(("cuda", lambda inp: call(inp, "cuda")))
+                    variants.append(("cuda", lambda inp: op_call(inp, k, "cuda")))
                 knob_runs = [{}]
                 if args.knobs:
                     knob_runs += [dict(FILTER_CAP=cap, FILTER_TILE=tile) for cap in (64, 256, 512, 1024)
@@ -222,7 +220,7 @@ def main():
                         label = " ".join(f"{n.removeprefix('FILTER_').lower()}={v}" for n, v in knobs.items())
                         chosen = settings if args.knob_runs else ["k50 p0.9"]
                         todo = [(f"triton {name} {label}",
-                                 lambda inp, s=FILTER_SETTINGS[name]: call(inp, "triton", filter_tensors(batch, s)))
+                                 lambda inp, s=FILTER_SETTINGS[name]: op_call(inp, k, "triton", filter_tensors(batch, s)))
                                 for name in chosen]
                     else:
                         todo = variants
