@@ -303,7 +303,7 @@ try:
                               PIVOT_ACCUMULATE: tl.constexpr):
         r = tl.program_id(0)
         k = 1.4426950408889634 / tl.load(temp_ptr + r)
-        thr = _row_threshold(logits_ptr + r * vocab, cmax_ptr + r * num_chunks, submax_ptr + r * num_chunks * 8,
+        thr, _kept_n = _row_threshold(logits_ptr + r * vocab, cmax_ptr + r * num_chunks, submax_ptr + r * num_chunks * 8,
                              scratch_ptr + r * scratch_stride, buf_ptr + r * CAP, tl.load(max_ptr + r),
                              tl.load(sum_ptr + r), k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
                              tl.load(min_p_ptr + r), vocab, num_chunks, num_chunks * 8, CHUNKS_PAD, 256, CAP, 8,
@@ -407,25 +407,46 @@ def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, monke
     f_n, i_n = tf.threshold_workspace_sizes(slots, num_groups, num_chunks)
     f32 = torch.full((f_n,), float("nan"), device=device)  # nothing may be read before written
     i32 = torch.zeros(i_n, dtype=torch.int32, device=device)
-    thr, cmax = tf.launch_row_thresholds(
+    drafts = torch.randint(0, vocab, (int(n.sum()),), generator=g, dtype=torch.int32)
+    drafts[0] = logits[0].argmax()  # a kept draft token: the chunk table must leave it out
+    res = tf.launch_row_thresholds(
         f32, i32, logits.to(device), cu.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
         min_p.to(device), tree=False, num_requests=B, slots=slots, max_rows=L + 1, num_splits=num_splits,
-        groups_per_split=groups_per_split, num_groups=num_groups, group=GROUP, num_warps=NUM_WARPS)
-    thr, cmax = thr.cpu(), cmax.cpu().view(slots, num_chunks)
+        groups_per_split=groups_per_split, num_groups=num_groups, group=GROUP, num_warps=NUM_WARPS,
+        excluded_drafts=drafts.to(device))
+    thr, cmax = res.thr.cpu(), res.cmax.cpu().view(slots, num_chunks)
+    kept_w, kept_m, kept_z = res.kept_w.cpu().view(slots, num_chunks), res.kept_m.cpu(), res.kept_z.cpu()
     padded = torch.full((rows, num_chunks * SAMPLE_CHUNK), float("-inf"))
     padded[:, :vocab] = logits
+    from_kept_set = 0
     for b in range(B):
         for t in range(L + 1):
             slot = b * (L + 1) + t
             filtered = temperature[b] > 0 and (0 < top_k[b] < vocab or top_p[b] < 1 or min_p[b] > 0)
             if t > n[b] or not filtered:
-                assert thr[slot] == float("-inf"), (b, t)
+                assert thr[slot] == float("-inf") and kept_z[slot] == 0, (b, t)
                 continue
             row = int(cu[b]) + b + t
             keep = filter_keep_mask(logits[row].double(), 1 / temperature[b].double(), top_k[b], top_p[b].double(),
                                     min_p[b].double())
             assert torch.equal(logits[row] >= thr[slot], keep), (b, t)
             assert torch.equal(cmax[slot], padded[row].view(num_chunks, SAMPLE_CHUNK).max(-1).values), (b, t)
+            if kept_z[slot] == 0:  # streamed by the verification kernel
+                continue
+            # Verified from its kept set: the statistics and chunk table the stream would give.
+            from_kept_set += 1
+            k = 1.4426950408889634 / float(temperature[b])
+            kept_row = torch.where(keep, logits[row].double(), float("-inf"))
+            assert kept_m[slot] == logits[row].max(), (b, t)
+            z = torch.exp2((kept_row - kept_row.max()) * k).sum()
+            assert torch.allclose(kept_z[slot].double(), z, rtol=1e-5), (b, t)
+            if t < n[b]:
+                kept_row[int(drafts[int(cu[b]) + t])] = float("-inf")
+            table = torch.full((num_chunks * SAMPLE_CHUNK,), float("-inf"), dtype=torch.float64)
+            table[:vocab] = kept_row
+            table = torch.exp2((table.view(num_chunks, SAMPLE_CHUNK) - cmax[slot, :, None].double()) * k).sum(-1)
+            assert torch.allclose(kept_w[slot].double(), table, rtol=1e-5, atol=0), (b, t)
+    assert from_kept_set >= 6, "the kept-set path was not exercised"
 
 
 # --- agreement with the reference -------------------------------------------------------------------
@@ -447,10 +468,19 @@ def small_bracket(monkeypatch):
     monkeypatch.setattr(triton_filters, "FILTER_CAP", 16)
 
 
+@pytest.fixture(params=[True, False], ids=["kept_set", "streamed"])
+def kept_set(request, monkeypatch):
+    """Rows whose kept set the threshold search held verified from it (the default), or every
+    filtered row streamed again (SPECDEC_TRITON_FILTER_KEPT_SET=0)."""
+    from specdec_kernels import triton_filters
+    monkeypatch.setattr(triton_filters, "FILTER_KEPT_SET", request.param)
+    return request.param
+
+
 @interpreter_only
 @pytest.mark.parametrize("draft_probs", [False, True])
 @pytest.mark.parametrize("method", ["token", "block"])
-def test_triton_interpreter_agrees_with_reference(draft_probs, method):
+def test_triton_interpreter_agrees_with_reference(kept_set, draft_probs, method):
     args = _with_specials(random_batch(6, 3, 700, draft_probs=draft_probs, seed=31 + draft_probs), 5)
     assert _agree("triton", "cpu", args, random_filters(6, 700, seed=3 + draft_probs, out_of_range=True),
                   method) == 1.0
@@ -473,17 +503,19 @@ def test_triton_interpreter_counting_passes_agree(small_bracket, vocab, dtype):
 
 @interpreter_only
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_triton_interpreter_skips_tiles_without_kept_chunks(draft_probs):
+def test_triton_interpreter_skips_tiles_without_kept_chunks(kept_set, draft_probs):
     """V = 8193 (5 tiles of 8 chunks): with top-k 3 most tiles hold no kept token, and the
-    kernels skip them (their table entries written empty), in the chain and the tree kernel;
-    the last request has every filter off (its rows take the plain loop of a filtered call)."""
+    kernels skip them (their table entries written empty), in the chain and the tree kernel, or
+    (kept_set) do not read the row at all; request 3 has min-p alone (never from a kept set: its
+    rows are streamed either way); requests 4..7 have every filter off (their rows take the plain
+    loop of a filtered call)."""
     from specdec_kernels.philox import SAMPLE_CHUNK
     vocab = 8193
     args = random_batch(8, 3, vocab, draft_probs=draft_probs, seed=77 + draft_probs)
     args = args[:4] + (torch.tensor([1.0, 0.8, 1.2, 0.9, 1.0, 0.7, 1.1, 1.3]),) + args[5:]  # none greedy
-    off = [0, 0, 0, 0]  # requests 3..7: every filter off (4 of them: enough tokens to notice a wrong stream)
-    filters = (torch.tensor([3, 0, 40] + off + [0]), torch.tensor([1.0, 0.5, 0.95] + [1.0] * 5),
-               torch.tensor([0.0, 0.0, 0.2] + [0.0] * 5))
+    off = [0, 0, 0, 0]  # requests 4..7: every filter off (4 of them: enough tokens to notice a wrong stream)
+    filters = (torch.tensor([3, 0, 40, 0] + off), torch.tensor([1.0, 0.5, 0.95, 1.0] + [1.0] * 4),
+               torch.tensor([0.0, 0.0, 0.2, 0.3] + [0.0] * 4))
     # The premise: a top-3 row keeps at most 3 chunks, so at least 2 of its 5 tiles have none.
     tiles = (vocab + 8 * SAMPLE_CHUNK - 1) // (8 * SAMPLE_CHUNK)
     assert tiles - 3 >= 2
@@ -503,7 +535,7 @@ def test_triton_interpreter_skips_tiles_without_kept_chunks(draft_probs):
 
 @interpreter_only
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_triton_interpreter_tree_agrees_with_reference(small_bracket, draft_probs):
+def test_triton_interpreter_tree_agrees_with_reference(small_bracket, kept_set, draft_probs):
     from test_tree import _random_trees
     vocab = 700
     logits, tokens, parents, cu = _random_trees(8, vocab, seed=vocab + draft_probs)

@@ -46,7 +46,7 @@ def pointer_type(module, name: str, logits_type: str, probs_type: str) -> str:
     if name.startswith(("seeds", "offsets", "draft_ids", "tokens")):
         return "*i64"
     if name.startswith(("temperature", "top_p", "min_p", "rec_m", "rec_s", "table", "residual_sum", "thr", "cmax",
-                        "buf")):
+                        "buf", "kept")):
         return "*fp32"
     return "*i32"
 
@@ -68,8 +68,9 @@ def constexpr_value(module, name: str):
 
 
 def flags(names: list[str]) -> list[str]:
-    """Boolean constexprs: HAS_* switches, *_VERIFY modes and the threshold pass's TREE."""
-    return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY") or n == "TREE"]
+    """Boolean constexprs: HAS_* switches, *_VERIFY modes and the threshold pass's switches."""
+    return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY")
+            or n in ("TREE", "KEPT_SET", "EXCLUDE_DRAFT")]
 
 
 def variants(flag_names: list[str]):

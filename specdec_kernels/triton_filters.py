@@ -33,6 +33,7 @@ with ``l(x) >= t``, one threshold logit ``t`` per row, so the verification kerne
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -379,6 +380,14 @@ def _fine_bracket(row_ptr, submax_row, m_c, in_table, list_ptr, sub_list_ptr, id
 
 
 @triton.jit
+def _bracket_indices(scratch_ptr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                     FINE_CHUNKS: tl.constexpr):
+    """Where a row's scratch keeps the bracket's vocabulary indices (after its chunk list and
+    the fine path's sub-chunk list; ``filter_scratch_stride``)."""
+    return scratch_ptr + CHUNKS_PAD + FINE_CHUNKS * (CHUNK // SUB)
+
+
+@triton.jit
 def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max, row_sum, k, top_k, top_p,
                    min_p, vocab_size, num_chunks, num_subs, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
                    CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr,
@@ -393,12 +402,18 @@ def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max,
     Brackets of up to SMALL tokens are sorted at that size. scratch_ptr: this row's int32
     scratch (``filter_scratch_stride``: the chunk list, the sub-chunk list, then the bracket's
     vocabulary indices); buf_ptr: its CAP float32 entries (the bracket's values).
+
+    Returns (t, kept_n): kept_n >= 0 when the buffer holds the row's whole kept set (every token
+    >= t, and kept_n entries in all, in index order: some may lie below t), else -1.
     """
     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
     list_ptr = scratch_ptr
     sub_list_ptr = scratch_ptr + CHUNKS_PAD
-    idx_ptr = scratch_ptr + CHUNKS_PAD + FINE_CHUNKS * (CHUNK // SUB)
+    idx_ptr = _bracket_indices(scratch_ptr, CHUNKS_PAD, CHUNK, SUB, FINE_CHUNKS)
     t_key = tl.full([], KEY_NEG_INF, tl.int32)
+    # The buffer's state: it holds every token with key >= buf_lo (buf_n of them) or buf_n = -1.
+    buf_n = tl.full([], -1, tl.int32)
+    buf_lo = tl.full([], KEY_NEG_INF, tl.int32)
     if row_max > float("-inf"):
         k_on = (top_k > 0) & (top_k < vocab_size)
         p_on = top_p < 1.0
@@ -451,6 +466,8 @@ def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max,
             else:
                 t_k = lo  # the bracket holds one value
                 z_k = mass_above + n_b.to(tl.float32) * tl.exp2((_unkey(lo) - row_max) * k)
+            buf_n = tl.where((hi == top) & (n_b <= CAP), n_b, -1)
+            buf_lo = lo
         # top-p over what top-k kept: the largest value whose mass at or above reaches p Z_k.
         if p_done == 0:
             target = top_p * z_k
@@ -472,9 +489,45 @@ def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max,
                 t_p = _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, CAP)
             else:
                 t_p = lo
+            buf_n = tl.where((hi == top) & (n_b <= CAP), n_b, -1)
+            buf_lo = lo
         # Every filter keeps the row's max; the clamp only guards against float surprises.
         t_key = tl.minimum(tl.maximum(tl.maximum(t_k, t_p), t_mp), top - 1)
-    return _unkey(t_key)
+    return _unkey(t_key), tl.where(t_key >= buf_lo, buf_n, -1)
+
+
+@triton.jit
+def _segment_add(w_a, c_a, w_b, c_b):
+    """Combine of a segmented sum (segments = runs of equal ids, as in an index-ordered list)."""
+    return tl.where(c_a == c_b, w_a + w_b, w_b), c_b
+
+
+@triton.jit
+def _kept_set_table(buf_ptr, idx_ptr, n_b, thr, cmax_row, kept_w_row, row_max, k, excluded, num_chunks,
+                    S: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """What the verification kernel's stream would give for a row whose whole kept set is in the
+    buffer (n_b entries, index order): the chunk table -- per chunk the total of
+    exp2((l - m_c) k) over its kept tokens but ``excluded`` (m_c = the chunk's max, cmax_row; 0
+    for chunks without a kept token) -- written to kept_w_row, and the row's sum of
+    exp2((l - row_max) k) over the kept tokens (returned)."""
+    i = tl.arange(0, S)
+    valid = i < n_b
+    lg = tl.load(buf_ptr + i, mask=valid, other=float("-inf"))
+    idx = tl.load(idx_ptr + i, mask=valid, other=0)
+    idx_next = tl.load(idx_ptr + i + 1, mask=i + 1 < n_b, other=-1)
+    kept = valid & (lg >= thr)
+    chunk = idx // CHUNK
+    m_c = tl.load(cmax_row + chunk, mask=kept, other=0.0)
+    w = tl.where(kept & (idx != excluded), tl.exp2((lg - m_c) * k), 0.0)
+    total, _ = tl.associative_scan((w, chunk), 0, _segment_add)
+    # A chunk's total sits at its last buffer entry; chunks whose max is below thr hold nothing
+    # kept (both stores may write 0 to a chunk of only unkept buffer entries).
+    last = valid & ((idx_next < 0) | (idx_next // CHUNK != chunk))
+    tl.store(kept_w_row + chunk, total, mask=last)
+    c = tl.arange(0, CHUNKS_PAD)
+    cmax = tl.load(cmax_row + c, mask=c < num_chunks, other=float("inf"))
+    tl.store(kept_w_row + c, tl.zeros([CHUNKS_PAD], tl.float32), mask=(c < num_chunks) & (cmax < thr))
+    return tl.sum(tl.where(kept, tl.exp2((lg - row_max) * k), 0.0), 0)
 
 
 # --------------------------------------------------------------------------- threshold pass
@@ -494,6 +547,9 @@ FILTER_WARPS = int(os.environ.get("SPECDEC_TRITON_FILTER_WARPS", "4"))
 # Programs per SM the stats stream aims at when splitting rows (0: the verification kernel's
 # split). Not tuned yet: the stream ran at 28% achieved occupancy with that split (B = 32).
 FILTER_STATS_PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_FILTER_STATS_PROGRAMS_PER_SM", "0"))
+# Rows whose whole kept set the search held are verified from it, without a second read of the
+# row (0: every filtered row is streamed again, skipping chunks below its threshold).
+FILTER_KEPT_SET = os.environ.get("SPECDEC_TRITON_FILTER_KEPT_SET", "1") == "1"
 FILTER_PIVOTS = 16
 # The finer maxima of the stats stream (every FILTER_SUB logits) and the fine top-k path's sizes:
 # up to FILTER_FINE_CHUNKS listed chunks (also its largest k), FILTER_FINE_SUBS gathered sub-chunks.
@@ -617,20 +673,27 @@ def _row_sum(row_ptr, vocab_size, row_max, k, BLOCK: tl.constexpr):
 @triton.jit
 def _filter_threshold_kernel(
     logits_ptr, logits_row_stride, cu_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    rec_m_ptr, cmax_ptr, submax_ptr, thr_ptr, scratch_ptr, buf_ptr,
+    rec_m_ptr, cmax_ptr, submax_ptr, thr_ptr, scratch_ptr, buf_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
+    draft_ids_ptr, num_drafts,
     num_requests, num_rows, vocab_size, max_rows, num_splits, num_chunks, num_subs, scratch_stride,
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
     CU_BLOCK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr,
     PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
-    FINE_SUBS: tl.constexpr, SUM_BLOCK: tl.constexpr,
+    FINE_SUBS: tl.constexpr, SUM_BLOCK: tl.constexpr, KEPT_SET: tl.constexpr, EXCLUDE_DRAFT: tl.constexpr,
 ):
     """Threshold pass, step 2: one program per slot writes thr[slot], the row's threshold logit
-    (``_row_threshold``) for a filtered row and -inf for every other slot."""
+    (``_row_threshold``) for a filtered row and -inf for every other slot. KEPT_SET: when the
+    search's buffer holds the row's whole kept set, also what verification needs of the row --
+    its max (kept_m), its kept sum (kept_z > 0) and its chunk table (kept_w; the chunk maxima
+    are cmax) -- so the verification kernel need not stream it; kept_z = 0 for every other slot.
+    EXCLUDE_DRAFT (chain without draft probabilities): the table leaves out row t's draft token
+    for t < n, as the chain kernel's stream does."""
     slot = tl.program_id(0)
     b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
                                          TREE, HAS_TEMPERATURE, CU_BLOCK)
     thr = tl.full([], float("-inf"), tl.float32)
+    kept_z = tl.zeros([], tl.float32)
     if valid:
         top_k, top_p, min_p, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
                                                          HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
@@ -644,13 +707,35 @@ def _filter_threshold_kernel(
             row_sum = tl.zeros([], tl.float32)
             if (top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab_size)) & (row_max > float("-inf")):
                 row_sum = _row_sum(row_ptr, vocab_size, row_max, k, SUM_BLOCK)
-            thr = _row_threshold(
-                row_ptr, cmax_ptr + slot.to(tl.int64) * num_chunks,
-                submax_ptr + slot.to(tl.int64) * num_subs, scratch_ptr + slot.to(tl.int64) * scratch_stride,
-                buf_ptr + slot.to(tl.int64) * CAP, row_max, row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks,
-                num_subs, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE, SUB, FINE_CHUNKS,
-                FINE_SUBS)
+            cmax_row = cmax_ptr + slot.to(tl.int64) * num_chunks
+            scratch_row = scratch_ptr + slot.to(tl.int64) * scratch_stride
+            buf_row = buf_ptr + slot.to(tl.int64) * CAP
+            thr, kept_n = _row_threshold(
+                row_ptr, cmax_row, submax_ptr + slot.to(tl.int64) * num_subs, scratch_row, buf_row, row_max,
+                row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks, num_subs, CHUNKS_PAD, CHUNK, CAP, TILE,
+                PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE, SUB, FINE_CHUNKS, FINE_SUBS)
+            if KEPT_SET:
+                if kept_n >= 0:
+                    excluded = tl.full([], -1, tl.int32)
+                    if EXCLUDE_DRAFT:
+                        t = slot % max_rows
+                        n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - tl.load(cu_ptr + b), 0),
+                                       max_rows - 1)
+                        d = row - b  # = cu[b] + t
+                        if (t < n) & (d >= 0) & (d < num_drafts):
+                            excluded = tl.load(draft_ids_ptr + d).to(tl.int32)
+                    idx_row = _bracket_indices(scratch_row, CHUNKS_PAD, CHUNK, SUB, FINE_CHUNKS)
+                    kept_w_row = kept_w_ptr + slot.to(tl.int64) * num_chunks
+                    SMALL: tl.constexpr = 64 if CAP > 64 else CAP
+                    if kept_n <= SMALL:
+                        kept_z = _kept_set_table(buf_row, idx_row, kept_n, thr, cmax_row, kept_w_row, row_max, k,
+                                                 excluded, num_chunks, SMALL, CHUNK, CHUNKS_PAD)
+                    else:
+                        kept_z = _kept_set_table(buf_row, idx_row, kept_n, thr, cmax_row, kept_w_row, row_max, k,
+                                                 excluded, num_chunks, CAP, CHUNK, CHUNKS_PAD)
+                    tl.store(kept_m_ptr + slot, row_max)
     tl.store(thr_ptr + slot, thr)
+    tl.store(kept_z_ptr + slot, kept_z)
 
 
 def filter_scratch_stride(chunks_pad: int) -> int:
@@ -662,12 +747,24 @@ def filter_scratch_stride(chunks_pad: int) -> int:
 def threshold_workspace_sizes(slots: int, num_groups: int, num_chunks: int) -> tuple[int, int]:
     """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows of
     ``num_groups`` tiles: per slot its split maxima (at most one split per tile), its chunk and
-    sub-chunk maxima, its threshold and the CAP-entry bracket buffer (float32); its search
-    scratch (int32, ``filter_scratch_stride``)."""
+    sub-chunk maxima, its threshold, its kept-set chunk table, max and sum, and the CAP-entry
+    bracket buffer (float32); its search scratch (int32, ``filter_scratch_stride``)."""
     chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
-    return (slots * (num_groups + num_chunks + num_subs + 1 + FILTER_CAP),
+    return (slots * (num_groups + 2 * num_chunks + num_subs + 3 + FILTER_CAP),
             slots * filter_scratch_stride(chunks_pad))
+
+
+class RowThresholds(NamedTuple):
+    """What the threshold pass gives the verification kernels (views of its workspace):
+    thr [slots] (-inf: unfiltered), cmax [slots * num_chunks] (chunk maxima), and for the rows
+    whose whole kept set the search held: kept_z [slots] (their kept sum; 0 for every other
+    row), kept_m [slots] (their max), kept_w [slots * num_chunks] (their chunk table)."""
+    thr: torch.Tensor
+    cmax: torch.Tensor
+    kept_w: torch.Tensor
+    kept_m: torch.Tensor
+    kept_z: torch.Tensor
 
 
 def _stats_split(slots: int, num_groups: int, num_splits: int, groups_per_split: int, device) -> tuple[int, int]:
@@ -684,21 +781,24 @@ def _stats_split(slots: int, num_groups: int, num_splits: int, groups_per_split:
 def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: torch.Tensor,
                           cu: torch.Tensor, temperature, top_k, top_p, min_p, *, tree: bool, num_requests: int,
                           slots: int, max_rows: int, num_splits: int, groups_per_split: int, num_groups: int,
-                          group: int, num_warps: int, cu_block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                          group: int, num_warps: int, cu_block: int = 1024,
+                          excluded_drafts: torch.Tensor | None = None) -> RowThresholds:
     """Run the threshold pass (two launches, no host sync) over ``slots`` target rows (split as
     the verification kernel splits them: ``num_splits`` x ``groups_per_split`` tiles, unless
-    FILTER_STATS_PROGRAMS_PER_SM says otherwise) and return
-    (thr [slots], cmax [slots * num_chunks]), views of the workspace ``f32`` (sized by
-    ``threshold_workspace_sizes``). The verification kernel then treats every logit below its
-    row's threshold as -inf and skips the chunks whose max is below it."""
+    FILTER_STATS_PROGRAMS_PER_SM says otherwise) and return its ``RowThresholds`` (views of the
+    workspace ``f32``, sized by ``threshold_workspace_sizes``). The verification kernel then
+    treats every logit below its row's threshold as -inf and skips the chunks whose max is below
+    it, or, for a row whose whole kept set the search held (kept_z > 0), does not read the row
+    at all. excluded_drafts (chain without draft probabilities): the draft token ids, left out of
+    row t's kept-set chunk table for t < n."""
     R, V = target_logits.shape
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
     chunks_pad = triton.next_power_of_2(num_chunks)
     num_splits, groups_per_split = _stats_split(slots, num_groups, num_splits, groups_per_split,
                                                 target_logits.device)
-    sizes = [slots * num_groups, slots * num_chunks, slots * num_subs, slots]
-    rec_m, cmax, submax, thr = torch.split(f32[:sum(sizes)], sizes)
+    sizes = [slots * num_groups, slots * num_chunks, slots * num_subs, slots, slots * num_chunks, slots, slots]
+    rec_m, cmax, submax, thr, kept_w, kept_m, kept_z = torch.split(f32[:sum(sizes)], sizes)
     buf = f32[sum(sizes):]
     dummy = cu
     common = dict(TREE=tree, HAS_TEMPERATURE=temperature is not None, HAS_TOP_K=top_k is not None,
@@ -710,10 +810,12 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
         num_chunks, num_subs, GROUP=group, SUB=FILTER_SUB, num_warps=num_warps, **common)
     extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
     _filter_threshold_kernel[(slots,)](
-        *args, rec_m, cmax, submax, thr, i32, buf, num_requests, R, V, max_rows, num_splits, num_chunks,
+        *args, rec_m, cmax, submax, thr, i32, buf, kept_w, kept_m, kept_z,
+        dummy if excluded_drafts is None else excluded_drafts,
+        0 if excluded_drafts is None else excluded_drafts.shape[0], num_requests, R, V, max_rows, num_splits, num_chunks,
         num_subs, filter_scratch_stride(chunks_pad), SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
         TILE=FILTER_TILE, PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
         SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, SUM_BLOCK=FILTER_SUM_BLOCK,
-        num_warps=FILTER_WARPS,
+        KEPT_SET=FILTER_KEPT_SET, EXCLUDE_DRAFT=excluded_drafts is not None, num_warps=FILTER_WARPS,
         **common, **extra)
-    return thr, cmax
+    return RowThresholds(thr, cmax, kept_w, kept_m, kept_z)

@@ -154,6 +154,66 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 
 
 @triton.jit
+def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
+                  excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_FILTERS: tl.constexpr):
+    """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
+    exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
+    below the row's threshold thr count as -inf."""
+    NEG_INF: tl.constexpr = float("-inf")
+    # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
+    # combined once at the end, so the loop has no cross-warp reduction.
+    m_vec = tl.full([GROUP], NEG_INF, tl.float32)
+    s_vec = tl.zeros([GROUP], tl.float32)
+    am_vec = tl.full([GROUP], 2147483647, tl.int32)
+    tile_lane = chunk_in_group[:, None] * CHUNK + lane
+    full_groups = vocab_size // (GROUP * CHUNK)
+    full_hi = tl.minimum(g_hi, full_groups)
+    if row_ok & (g_lo < full_hi):
+        # Whole tiles. Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the
+        # compiler drops the other branch) take the plain loop, also in a filtered call.
+        if thr > NEG_INF:
+            m_vec, s_vec, am_vec = _stream_kept_tiles(
+                row_ptr, g_lo, full_hi, cmax_row, thr, tile_lane, chunk_in_group, k, greedy,
+                excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+        else:
+            m_vec, s_vec, am_vec = _stream_full_tiles(
+                row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
+                am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+    tail = tl.maximum(g_lo, full_groups)
+    if row_ok & (tail < g_hi):
+        # The last, partial tile of the vocabulary.
+        offs = tail * (GROUP * CHUNK) + tile_lane
+        in_row = offs < vocab_size
+        if HAS_FILTERS:
+            in_row = in_row & _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr, num_chunks)[:, None]
+        raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
+        m_vec, s_vec, am_vec = _stream_tile(
+            raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
+            excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+            thr, HAS_FILTERS)
+    m_run = tl.max(m_vec, 0)
+    live = m_vec > NEG_INF
+    s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
+    am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
+    return m_run, s_run, tl.where(am_run == 2147483647, -1, am_run)
+
+
+@triton.jit
+def _row_table(table_m_ptr, table_w_ptr, row, cmax_ptr, kept_w_ptr, kept_z_ptr, slot, num_chunks,
+               HAS_FILTERS: tl.constexpr):
+    """A row's chunk table (maxima, totals): the one its stream wrote, or the threshold pass's for
+    a row verified from its kept set (kept_z > 0)."""
+    table_m_row = table_m_ptr + row * num_chunks
+    table_w_row = table_w_ptr + row * num_chunks
+    if HAS_FILTERS:
+        if tl.load(kept_z_ptr + slot) > 0.0:
+            table_m_row = cmax_ptr + slot * num_chunks
+            table_w_row = kept_w_ptr + slot * num_chunks
+    return table_m_row, table_w_row
+
+
+@triton.jit
 def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row_max, row_sum,
                      seed, offset, node, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
                      STREAM_SAMPLE: tl.constexpr, scale=1.0, thr=0.0, FILTERED: tl.constexpr = False):
@@ -355,7 +415,7 @@ def _rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr, counter_ptr,
-    thr_ptr, cmax_ptr,
+    thr_ptr, cmax_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
     num_chunks, units_phase1, units_total,
@@ -418,50 +478,26 @@ def _rejection_sample_kernel(
                 d = cu_lo + t
                 if (t < n) & (d >= 0) & (d < num_drafts):
                     excluded = tl.load(draft_ids_ptr + d).to(tl.int32)
-            # Per tile row (= chunk position) running max / sum / first argmax; the tile rows
-            # are combined once at the end, so the loop has no cross-warp reduction.
-            m_vec = tl.full([GROUP], NEG_INF, tl.float32)
-            s_vec = tl.zeros([GROUP], tl.float32)
-            am_vec = tl.full([GROUP], 2147483647, tl.int32)
-            table_m_row = table_m_ptr + row * num_chunks
-            table_w_row = table_w_ptr + row * num_chunks
-            tile_lane = chunk_in_group[:, None] * CHUNK + lane
-            full_groups = vocab_size // (GROUP * CHUNK)
-            full_hi = tl.minimum(g_hi, full_groups)
             # Sampling filters: the threshold pass (triton_filters.py) gave the row's threshold
-            # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read.
+            # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read, and
+            # a row whose whole kept set the pass held (kept_z > 0) is not read at all.
+            slot = b * (max_spec_len + 1) + t
             thr_row = tl.full([], NEG_INF, tl.float32)
-            cmax_row = cmax_ptr + (b * (max_spec_len + 1) + t) * num_chunks
+            kept_z = tl.zeros([], tl.float32)
             if HAS_FILTERS:
-                thr_row = tl.load(thr_ptr + b * (max_spec_len + 1) + t)
-            if row_ok & (g_lo < full_hi):
-                # Whole tiles. Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the
-                # compiler drops the other branch) take the plain loop, also in a filtered call.
-                if thr_row > NEG_INF:
-                    m_vec, s_vec, am_vec = _stream_kept_tiles(
-                        row_ptr, g_lo, full_hi, cmax_row, thr_row, tile_lane, chunk_in_group, k, greedy,
-                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
-                else:
-                    m_vec, s_vec, am_vec = _stream_full_tiles(
-                        row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
-                        am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
-            tail = tl.maximum(g_lo, full_groups)
-            if row_ok & (tail < g_hi):
-                # The last, partial tile of the vocabulary.
-                offs = tail * (GROUP * CHUNK) + tile_lane
-                in_row = offs < vocab_size
-                if HAS_FILTERS:
-                    in_row = in_row & _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr_row, num_chunks)[:, None]
-                raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
-                m_vec, s_vec, am_vec = _stream_tile(
-                    raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
-                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                    thr_row, HAS_FILTERS)
-            m_run = tl.max(m_vec, 0)
-            live = m_vec > NEG_INF
-            s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
-            am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
-            am_run = tl.where(am_run == 2147483647, -1, am_run)
+                thr_row = tl.load(thr_ptr + slot)
+                kept_z = tl.load(kept_z_ptr + slot)
+            if kept_z > 0.0:
+                # Its statistics are the pass's (one record for the row), its chunk table too
+                # (``_row_table``).
+                m_run = tl.where(s_idx == 0, tl.load(kept_m_ptr + slot), NEG_INF)
+                s_run = tl.where(s_idx == 0, kept_z, 0.0)
+                am_run = tl.full([], -1, tl.int32)
+            else:
+                m_run, s_run, am_run = _stream_split(
+                    row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
+                    chunk_in_group, k, greedy, excluded, table_m_ptr + row * num_chunks,
+                    table_w_ptr + row * num_chunks, num_chunks, CHUNK, GROUP, HAS_FILTERS)
             rec = (b * (max_spec_len + 1) + t) * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
@@ -491,9 +527,11 @@ def _rejection_sample_kernel(
                         row_ok = (row >= 0) & (row < num_rows)
                         row_ptr = logits_ptr + row * logits_row_stride
                         x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
-                        chunk = _race_winner(table_m_ptr + row * num_chunks, table_w_ptr + row * num_chunks,
-                                             num_chunks, _pick(row_max, rows, t_star), k, seed, offset,
-                                             t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
+                        table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, row, cmax_ptr, kept_w_ptr,
+                                                              kept_z_ptr, b * (max_spec_len + 1) + t_star,
+                                                              num_chunks, HAS_FILTERS)
+                        chunk = _race_winner(table_m_row, table_w_row, num_chunks, _pick(row_max, rows, t_star), k,
+                                             seed, offset, t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
                         token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
                                                  x_star, 0.0, 1.0, seed, offset, t_star, False, CHUNK,
                                                  STREAM_SAMPLE, 1.0, _pick(thr, rows, t_star), HAS_FILTERS)
@@ -594,9 +632,11 @@ def _rejection_sample_kernel(
                 if token < 0:
                     # q's own sample of row t*: the bonus, an invalid draft's row, or a residual
                     # with no mass (q == p up to rounding), with the same noise.
-                    chunk = _race_winner(table_m_ptr + row * num_chunks, table_w_ptr + row * num_chunks,
-                                         num_chunks, m_w, k, seed, offset, t_star, True, CHUNKS_PAD,
-                                         STREAM_SAMPLE)
+                    table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, row, cmax_ptr, kept_w_ptr,
+                                                          kept_z_ptr, b * (max_spec_len + 1) + t_star, num_chunks,
+                                                          HAS_FILTERS)
+                    chunk = _race_winner(table_m_row, table_w_row, num_chunks, m_w, k, seed, offset, t_star, True,
+                                         CHUNKS_PAD, STREAM_SAMPLE)
                     token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_w,
                                              s_w, seed, offset, t_star, False, CHUNK, STREAM_SAMPLE, 1.0,
                                              thr_w, HAS_FILTERS)
@@ -700,13 +740,13 @@ def rejection_sample_triton(
     slots = B * (L + 1)
     flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
-    thr, cmax = f32, f32
+    filt = (f32,) * 5  # unused without filters
     if has_filters:
-        thr, cmax = launch_row_thresholds(
+        filt = launch_row_thresholds(
             f32[n_f32:n_f32 + flt_f32], i32[units_phase1:units_phase1 + flt_i32], target_logits,
             cu_num_draft_tokens, temperature, top_k, top_p, min_p, tree=False, num_requests=B, slots=slots,
             max_rows=L + 1, num_splits=num_splits, groups_per_split=groups_per_split, num_groups=num_groups,
-            group=GROUP, num_warps=NUM_WARPS)
+            group=GROUP, num_warps=NUM_WARPS, excluded_drafts=None if has_draft_probs else draft_token_ids)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
@@ -724,7 +764,7 @@ def rejection_sample_triton(
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, residual_sum, counters,
-        thr, cmax,
+        *filt,
         B, R, V, L,
         num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
         num_chunks, units_phase1, units_total,

@@ -30,6 +30,7 @@ from .triton_rejection_sample import (
     _open_uniform,
     _philox_words,
     _race_winner,
+    _row_table,
     _sanitize,
     _stream_tile,
     _target_programs,
@@ -261,7 +262,7 @@ def _tree_rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_nodes_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
-    thr_ptr, cmax_ptr,
+    thr_ptr, cmax_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
     num_requests, num_nodes, vocab_size, max_depth,
     num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
@@ -313,30 +314,40 @@ def _tree_rejection_sample_kernel(
             tile_lane = chunk_in_group[:, None] * CHUNK + lane
             g_lo = s_idx * groups_per_split
             g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
-            m_vec = tl.full([GROUP], NEG_INF, tl.float32)
-            s_vec = tl.zeros([GROUP], tl.float32)
-            am_vec = tl.full([GROUP], 2147483647, tl.int32)
             table_m_row = table_m_ptr + row * num_chunks
             table_w_row = table_w_ptr + row * num_chunks
             excluded = tl.full([], -1, tl.int32)
             # Sampling filters: logits below the row's threshold count as -inf, chunks whose
-            # max is below it are not read (threshold pass, triton_filters.py).
+            # max is below it are not read, and a row whose whole kept set the threshold pass
+            # held (kept_z > 0) is not read at all (triton_filters.py).
             thr_row = _node_threshold(thr_ptr, row, HAS_FILTERS)
-            # Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the compiler drops
-            # the other branch) take the plain loop, also in a filtered call.
-            if thr_row > NEG_INF:
-                m_vec, s_vec, am_vec = _stream_row_tiles(
-                    row_ptr, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, tile_lane,
-                    chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row,
-                    num_chunks, CHUNK, GROUP, True)
+            kept_z = tl.zeros([], tl.float32)
+            if HAS_FILTERS:
+                kept_z = tl.load(kept_z_ptr + row)
+            if kept_z > 0.0:
+                # Its statistics are the pass's (one record for the row), its chunk table too.
+                m_run = tl.where(s_idx == 0, tl.load(kept_m_ptr + row), NEG_INF)
+                s_run = tl.where(s_idx == 0, kept_z, 0.0)
+                am_run = tl.full([], 2147483647, tl.int32)
             else:
-                m_vec, s_vec, am_vec = _stream_row_tiles(
-                    row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
-                    excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
-            m_run = tl.max(m_vec, 0)
-            live = m_vec > NEG_INF
-            s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
-            am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
+                m_vec = tl.full([GROUP], NEG_INF, tl.float32)
+                s_vec = tl.zeros([GROUP], tl.float32)
+                am_vec = tl.full([GROUP], 2147483647, tl.int32)
+                # Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the compiler drops
+                # the other branch) take the plain loop, also in a filtered call.
+                if thr_row > NEG_INF:
+                    m_vec, s_vec, am_vec = _stream_row_tiles(
+                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, tile_lane,
+                        chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row,
+                        num_chunks, CHUNK, GROUP, True)
+                else:
+                    m_vec, s_vec, am_vec = _stream_row_tiles(
+                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
+                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
+                m_run = tl.max(m_vec, 0)
+                live = m_vec > NEG_INF
+                s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
+                am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
             rec = row * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
@@ -405,18 +416,18 @@ def _tree_rejection_sample_kernel(
             token = argmax
             if not greedy:
                 vrow = cu_lo + v
+                table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, vrow, cmax_ptr, kept_w_ptr,
+                                                      kept_z_ptr, vrow, num_chunks, HAS_FILTERS)
                 token = _tree_final_token(
                     logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
-                    table_m_ptr + vrow * num_chunks, table_w_ptr + vrow * num_chunks,
-                    table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, depth < max_depth,
+                    table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, depth < max_depth,
                     a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
                     HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
                 if token < 0:
                     # An empty residual (all of q's support rejected, or q == p up to rounding): q.
                     token = _tree_final_token(
                         logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
-                        table_m_ptr + vrow * num_chunks, table_w_ptr + vrow * num_chunks,
-                        table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, False,
+                        table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, False,
                         tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
                         HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
             out_tok = tl.where(depth_lanes == depth, token, out_tok)
@@ -469,9 +480,9 @@ def tree_rejection_sample_triton(
     has_filters = top_k is not None or top_p is not None or min_p is not None
     flt_f32, flt_i32 = threshold_workspace_sizes(N, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1)
-    thr, cmax = f32, f32
+    filt = (f32,) * 5  # unused without filters
     if has_filters:
-        thr, cmax = launch_row_thresholds(
+        filt = launch_row_thresholds(
             f32[n_f32:n_f32 + flt_f32], i32[units_phase1:units_phase1 + flt_i32], target_logits, cu_num_nodes,
             temperature, top_k, top_p, min_p, tree=True, num_requests=B, slots=N, max_rows=1,
             num_splits=num_splits, groups_per_split=groups_per_split, num_groups=num_groups, group=GROUP,
@@ -490,7 +501,7 @@ def tree_rejection_sample_triton(
         offsets if offsets is not None else seeds,
         out_tokens, out_nodes, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, counters,
-        thr, cmax,
+        *filt,
         B, N, V, D, num_splits, groups_per_split, num_groups, num_chunks, units_phase1,
         HAS_DRAFT_PROBS=has_draft_probs,
         HAS_TEMPERATURE=temperature is not None,
