@@ -376,16 +376,17 @@ def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
 
 @pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
 @pytest.mark.parametrize("vocab", [700, 8193])
-@pytest.mark.parametrize("stats_programs", [0, 64])  # 64: 5 splits of one tile at V = 8193
-def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, monkeypatch):
+@pytest.mark.parametrize("stats_programs,stats_group", [(0, 8), (64, 8), (0, 16)])  # 64: 5 splits of 1 tile
+def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, stats_group, monkeypatch):
     """The whole threshold pass (stats stream, then search; triton_filters.launch_row_thresholds)
     on a ragged chain batch: every filtered row's threshold keeps exactly the sort-based set,
     its chunk maxima are the row's, and the slots of greedy requests, unfiltered requests and
     padding read -inf. Covers top-p alone (the search program's own row sum), the fine top-k
     path (k <= 64) and the chunk-level one (k > 64); the stats stream split as the verification
-    kernel's (2 splits) or by FILTER_STATS_PROGRAMS_PER_SM."""
+    kernel's (2 splits) or by FILTER_STATS_PROGRAMS_PER_SM, in tiles of 8 or 16 chunks."""
     from specdec_kernels import triton_filters as tf
     monkeypatch.setattr(tf, "FILTER_STATS_PROGRAMS_PER_SM", stats_programs)
+    monkeypatch.setattr(tf, "FILTER_STATS_GROUP", stats_group)
     from specdec_kernels.philox import SAMPLE_CHUNK
     from specdec_kernels.triton_rejection_sample import GROUP, NUM_WARPS
     device = "cuda" if HAS_CUDA else "cpu"
@@ -412,7 +413,7 @@ def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, monke
     res = tf.launch_row_thresholds(
         f32, i32, logits.to(device), cu.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
         min_p.to(device), tree=False, num_requests=B, slots=slots, max_rows=L + 1, num_splits=num_splits,
-        groups_per_split=groups_per_split, num_groups=num_groups, group=GROUP, num_warps=NUM_WARPS,
+        num_groups=num_groups, num_warps=NUM_WARPS,
         excluded_drafts=drafts.to(device))
     thr, cmax = res.thr.cpu(), res.cmax.cpu().view(slots, num_chunks)
     kept_w, kept_m, kept_z = res.kept_w.cpu().view(slots, num_chunks), res.kept_m.cpu(), res.kept_z.cpu()

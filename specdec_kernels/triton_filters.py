@@ -547,6 +547,9 @@ FILTER_WARPS = int(os.environ.get("SPECDEC_TRITON_FILTER_WARPS", "4"))
 # Programs per SM the stats stream aims at when splitting rows (0: the verification kernel's
 # split). Not tuned yet: the stream ran at 28% achieved occupancy with that split (B = 32).
 FILTER_STATS_PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_FILTER_STATS_PROGRAMS_PER_SM", "0"))
+# Chunks per tile of the stats stream (each tile costs two layout round trips through shared
+# memory for its maxima' stores, so bigger tiles mean fewer barriers per logit).
+FILTER_STATS_GROUP = int(os.environ.get("SPECDEC_TRITON_FILTER_STATS_GROUP", "8"))
 # Rows whose whole kept set the search held are verified from it, without a second read of the
 # row (0: every filtered row is streamed again, skipping chunks below its threshold).
 FILTER_KEPT_SET = os.environ.get("SPECDEC_TRITON_FILTER_KEPT_SET", "1") == "1"
@@ -767,26 +770,30 @@ class RowThresholds(NamedTuple):
     kept_z: torch.Tensor
 
 
-def _stats_split(slots: int, num_groups: int, num_splits: int, groups_per_split: int, device) -> tuple[int, int]:
-    """(splits, tiles per split) of the stats stream: the verification kernel's, or
-    FILTER_STATS_PROGRAMS_PER_SM programs per SM (2 "SMs" off the GPU)."""
-    if FILTER_STATS_PROGRAMS_PER_SM <= 0:
-        return num_splits, groups_per_split
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    splits = max(1, min(triton.cdiv(FILTER_STATS_PROGRAMS_PER_SM * sms, max(slots, 1)), num_groups))
+def _stats_split(slots: int, num_chunks: int, num_splits: int, max_splits: int, device) -> tuple[int, int, int]:
+    """(chunks per tile, splits, tiles per split) of the stats stream: FILTER_STATS_GROUP chunks
+    per tile, over the verification kernel's number of splits or FILTER_STATS_PROGRAMS_PER_SM
+    programs per SM (2 "SMs" off the GPU); at most max_splits (the split maxima's workspace)."""
+    group = FILTER_STATS_GROUP
+    num_groups = triton.cdiv(num_chunks, group)
+    if FILTER_STATS_PROGRAMS_PER_SM > 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        num_splits = triton.cdiv(FILTER_STATS_PROGRAMS_PER_SM * sms, max(slots, 1))
+    splits = max(1, min(num_splits, num_groups, max_splits))
     per_split = triton.cdiv(num_groups, splits)
-    return triton.cdiv(num_groups, per_split), per_split
+    return group, triton.cdiv(num_groups, per_split), per_split
 
 
 def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: torch.Tensor,
                           cu: torch.Tensor, temperature, top_k, top_p, min_p, *, tree: bool, num_requests: int,
-                          slots: int, max_rows: int, num_splits: int, groups_per_split: int, num_groups: int,
-                          group: int, num_warps: int, cu_block: int = 1024,
+                          slots: int, max_rows: int, num_splits: int, num_groups: int, num_warps: int,
+                          cu_block: int = 1024,
                           excluded_drafts: torch.Tensor | None = None) -> RowThresholds:
-    """Run the threshold pass (two launches, no host sync) over ``slots`` target rows (split as
-    the verification kernel splits them: ``num_splits`` x ``groups_per_split`` tiles, unless
-    FILTER_STATS_PROGRAMS_PER_SM says otherwise) and return its ``RowThresholds`` (views of the
-    workspace ``f32``, sized by ``threshold_workspace_sizes``). The verification kernel then
+    """Run the threshold pass (two launches, no host sync) over ``slots`` target rows (the stats
+    stream splits each row in ``num_splits``, the verification kernel's count, unless
+    FILTER_STATS_PROGRAMS_PER_SM says otherwise; ``num_groups``, the verification kernel's tiles
+    per row, bounds it) and return its ``RowThresholds`` (views of the workspace ``f32``, sized
+    by ``threshold_workspace_sizes``). The verification kernel then
     treats every logit below its row's threshold as -inf and skips the chunks whose max is below
     it, or, for a row whose whole kept set the search held (kept_z > 0), does not read the row
     at all. excluded_drafts (chain without draft probabilities): the draft token ids, left out of
@@ -795,8 +802,9 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
     chunks_pad = triton.next_power_of_2(num_chunks)
-    num_splits, groups_per_split = _stats_split(slots, num_groups, num_splits, groups_per_split,
-                                                target_logits.device)
+    # (rec_m holds num_groups split maxima per slot)
+    stats_group, stats_splits, stats_tiles_per_split = _stats_split(slots, num_chunks, num_splits, num_groups,
+                                                                    target_logits.device)
     sizes = [slots * num_groups, slots * num_chunks, slots * num_subs, slots, slots * num_chunks, slots, slots]
     rec_m, cmax, submax, thr, kept_w, kept_m, kept_z = torch.split(f32[:sum(sizes)], sizes)
     buf = f32[sum(sizes):]
@@ -805,15 +813,17 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
                   HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, CHUNK=SAMPLE_CHUNK, CU_BLOCK=cu_block)
     args = (target_logits, target_logits.stride(0), cu, dummy if temperature is None else temperature,
             dummy if top_k is None else top_k, dummy if top_p is None else top_p, dummy if min_p is None else min_p)
-    _filter_stats_kernel[(slots * num_splits,)](
-        *args, rec_m, cmax, submax, num_requests, R, V, max_rows, num_splits, groups_per_split, num_groups,
-        num_chunks, num_subs, GROUP=group, SUB=FILTER_SUB, num_warps=num_warps, **common)
+    _filter_stats_kernel[(slots * stats_splits,)](
+        *args, rec_m, cmax, submax, num_requests, R, V, max_rows, stats_splits, stats_tiles_per_split,
+        triton.cdiv(num_chunks, stats_group), num_chunks, num_subs, GROUP=stats_group, SUB=FILTER_SUB,
+        num_warps=num_warps, **common)
     extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
     _filter_threshold_kernel[(slots,)](
         *args, rec_m, cmax, submax, thr, i32, buf, kept_w, kept_m, kept_z,
         dummy if excluded_drafts is None else excluded_drafts,
-        0 if excluded_drafts is None else excluded_drafts.shape[0], num_requests, R, V, max_rows, num_splits, num_chunks,
-        num_subs, filter_scratch_stride(chunks_pad), SPLITS_PAD=triton.next_power_of_2(num_splits), CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
+        0 if excluded_drafts is None else excluded_drafts.shape[0], num_requests, R, V, max_rows, stats_splits,
+        num_chunks, num_subs, filter_scratch_stride(chunks_pad), SPLITS_PAD=triton.next_power_of_2(stats_splits),
+        CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
         TILE=FILTER_TILE, PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
         SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, SUM_BLOCK=FILTER_SUM_BLOCK,
         KEPT_SET=FILTER_KEPT_SET, EXCLUDE_DRAFT=excluded_drafts is not None, num_warps=FILTER_WARPS,

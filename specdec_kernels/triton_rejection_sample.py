@@ -745,8 +745,8 @@ def rejection_sample_triton(
         filt = launch_row_thresholds(
             f32[n_f32:n_f32 + flt_f32], i32[units_phase1:units_phase1 + flt_i32], target_logits,
             cu_num_draft_tokens, temperature, top_k, top_p, min_p, tree=False, num_requests=B, slots=slots,
-            max_rows=L + 1, num_splits=num_splits, groups_per_split=groups_per_split, num_groups=num_groups,
-            group=GROUP, num_warps=NUM_WARPS, excluded_drafts=None if has_draft_probs else draft_token_ids)
+            max_rows=L + 1, num_splits=num_splits, num_groups=num_groups, num_warps=NUM_WARPS,
+            excluded_drafts=None if has_draft_probs else draft_token_ids)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
