@@ -130,36 +130,20 @@ def _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _first_listed_tiles(row_ptr, list_ptr, n_listed, vocab_size, TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """The start of a pass over the listed chunks: tiles 0, 1, 2 in flight and tile 3's chunk ids
-    (a pass over a whole row is a chain of ~500 tiles: with only the next tile in flight each one
-    waited for a memory round trip)."""
-    chunk, listed = _list_tile(list_ptr, n_listed, 0, TILE)
-    raw_1, offs_1, ok_1 = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
-    chunk, listed = _list_tile(list_ptr, n_listed, TILE, TILE)
-    raw_2, offs_2, ok_2 = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
-    chunk, listed = _list_tile(list_ptr, n_listed, 2 * TILE, TILE)
-    raw_3, offs_3, ok_3 = _load_listed(row_ptr, chunk, listed, vocab_size, CHUNK)
-    chunk, listed = _list_tile(list_ptr, n_listed, 3 * TILE, TILE)
-    return raw_1, offs_1, ok_1, raw_2, offs_2, ok_2, raw_3, offs_3, ok_3, chunk, listed
-
-
-@triton.jit
 def _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP: tl.constexpr,
             TILE: tl.constexpr, CHUNK: tl.constexpr):
     """Copy the logits with lo <= key < hi of the listed chunks, and their vocabulary indices,
     to buf_ptr / idx_ptr (the first CAP of them, in index order) and return how many there are
-    (possibly more than CAP). Software-pipelined (``_first_listed_tiles``): tiles i + 1 .. i + 3
-    and tile i + 4's chunk ids are in flight while tile i is processed."""
+    (possibly more than CAP). Software-pipelined: tile i + 1's logits and tile i + 2's chunk
+    ids are in flight while tile i is processed."""
     count = tl.zeros([], tl.int32)
-    raw_1, offs_1, ok_1, raw_2, offs_2, ok_2, raw_3, offs_3, ok_3, chunk_nxt, listed_nxt = _first_listed_tiles(
-        row_ptr, list_ptr, n_listed, vocab_size, TILE, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
+    raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
     for start in range(0, n_listed, TILE):
-        raw, offs, ok = raw_1, offs_1, ok_1
-        raw_1, offs_1, ok_1 = raw_2, offs_2, ok_2
-        raw_2, offs_2, ok_2 = raw_3, offs_3, ok_3
-        raw_3, offs_3, ok_3 = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
-        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 4 * TILE, TILE)
+        raw, offs, ok = raw_nxt, offs_nxt, ok_nxt
+        raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
         lg = tl.reshape(_sanitize(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = (tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)).to(tl.int32)
@@ -221,14 +205,13 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
         cnt = tl.zeros([PIVOTS], tl.int32)
         mass = tl.zeros([PIVOTS], tl.float32)
     acc_in = tl.zeros([TILE * CHUNK], tl.int32)
-    raw_1, offs_1, ok_1, raw_2, offs_2, ok_2, raw_3, offs_3, ok_3, chunk_nxt, listed_nxt = _first_listed_tiles(
-        row_ptr, list_ptr, n_listed, vocab_size, TILE, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
+    raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+    chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, TILE, TILE)
     for start in range(0, n_listed, TILE):
-        raw, ok = raw_1, ok_1
-        raw_1, ok_1 = raw_2, ok_2
-        raw_2, ok_2 = raw_3, ok_3
-        raw_3, offs_3, ok_3 = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
-        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 4 * TILE, TILE)
+        raw, ok = raw_nxt, ok_nxt
+        raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
+        chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
         lg = tl.reshape(_sanitize(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)
@@ -264,15 +247,9 @@ def _search(row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_
     n_above = tl.zeros([], tl.int32)
     mass_above = tl.zeros([], tl.float32)
     n_listed = _qualify(m_c, in_table, lo, list_ptr)
-    # Each listed chunk's max is in the bracket: more than CAP of them cannot fit, nor can a
-    # top-k bracket for k > CAP; a top-p bracket over more than CAP / 4 chunks rarely does (a
-    # whole-row gather that fails costs as much as a counting pass), so those go to the passes
-    # at once (n_b = CAP + 1 only says "count it"; a single-key bracket still gathers).
+    # Each listed chunk's max is in the bracket: more than CAP of them cannot fit.
     n_b = n_listed
-    hopeless = tl.where(by_mass, n_listed > CAP // 4, goal_count > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1)
-    if hopeless:
-        n_b = tl.maximum(n_b, CAP + 1)
-    elif n_listed <= CAP:
+    if n_listed <= CAP:
         n_b = _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, CAP, TILE, CHUNK)
     passes = tl.zeros([], tl.int32)
     i = tl.arange(0, PIVOTS)
