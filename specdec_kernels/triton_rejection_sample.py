@@ -192,11 +192,26 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
             raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
             excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
             thr, HAS_FILTERS)
+    return _combine_tile_rows(m_vec, s_vec, am_vec, k)
+
+
+@triton.jit
+def _combine_tile_rows(m_vec, s_vec, am_vec, k):
+    """A split's record -- max, sum of exp2((l - max) k), first argmax (-1: none) -- from the
+    running values of its tile rows."""
     m_run = tl.max(m_vec, 0)
-    live = m_vec > NEG_INF
+    live = m_vec > float("-inf")
     s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
     am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
     return m_run, s_run, tl.where(am_run == 2147483647, -1, am_run)
+
+
+@triton.jit
+def _kept_set_record(kept_m_ptr, kept_z, slot, s_idx):
+    """The split record of a row verified from its kept set (kept_z > 0, random requests only):
+    the threshold pass's max and kept sum as split 0's, empty records for the other splits."""
+    m_run = tl.where(s_idx == 0, tl.load(kept_m_ptr + slot), float("-inf"))
+    return m_run, tl.where(s_idx == 0, kept_z, 0.0), tl.full([], -1, tl.int32)
 
 
 @triton.jit
@@ -488,11 +503,8 @@ def _rejection_sample_kernel(
                 thr_row = tl.load(thr_ptr + slot)
                 kept_z = tl.load(kept_z_ptr + slot)
             if kept_z > 0.0:
-                # Its statistics are the pass's (one record for the row), its chunk table too
-                # (``_row_table``).
-                m_run = tl.where(s_idx == 0, tl.load(kept_m_ptr + slot), NEG_INF)
-                s_run = tl.where(s_idx == 0, kept_z, 0.0)
-                am_run = tl.full([], -1, tl.int32)
+                # Its statistics are the pass's, its chunk table too (``_row_table``).
+                m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, slot, s_idx)
             else:
                 m_run, s_run, am_run = _stream_split(
                     row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,

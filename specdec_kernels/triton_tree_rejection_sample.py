@@ -25,8 +25,10 @@ from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from .triton_rejection_sample import (
     GROUP,
     NUM_WARPS,
+    _combine_tile_rows,
     _empty_chunks,
     _kept_chunks,
+    _kept_set_record,
     _open_uniform,
     _philox_words,
     _race_winner,
@@ -325,10 +327,8 @@ def _tree_rejection_sample_kernel(
             if HAS_FILTERS:
                 kept_z = tl.load(kept_z_ptr + row)
             if kept_z > 0.0:
-                # Its statistics are the pass's (one record for the row), its chunk table too.
-                m_run = tl.where(s_idx == 0, tl.load(kept_m_ptr + row), NEG_INF)
-                s_run = tl.where(s_idx == 0, kept_z, 0.0)
-                am_run = tl.full([], 2147483647, tl.int32)
+                # Its statistics are the pass's, its chunk table too (``_row_table``).
+                m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, row, s_idx)
             else:
                 m_vec = tl.full([GROUP], NEG_INF, tl.float32)
                 s_vec = tl.zeros([GROUP], tl.float32)
@@ -344,14 +344,11 @@ def _tree_rejection_sample_kernel(
                     m_vec, s_vec, am_vec = _stream_row_tiles(
                         row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
                         excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
-                m_run = tl.max(m_vec, 0)
-                live = m_vec > NEG_INF
-                s_run = tl.sum(tl.where(live, s_vec * tl.exp2((m_vec - m_run) * k), 0.0), 0)
-                am_run = tl.min(tl.where(live & (m_vec == m_run), am_vec, 2147483647), 0)
+                m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
             rec = row * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
-            tl.store(rec_am_ptr + rec, tl.where(am_run == 2147483647, -1, am_run))
+            tl.store(rec_am_ptr + rec, am_run)
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
             finalize = done == n * num_splits
@@ -420,15 +417,15 @@ def _tree_rejection_sample_kernel(
                                                       kept_z_ptr, vrow, num_chunks, HAS_FILTERS)
                 token = _tree_final_token(
                     logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
-                    table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, depth < max_depth,
-                    a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
+                    table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v,
+                    depth < max_depth, a, row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
                     HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
                 if token < 0:
                     # An empty residual (all of q's support rejected, or q == p up to rounding): q.
                     token = _tree_final_token(
                         logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
-                        table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n, v, False,
-                        tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
+                        table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n,
+                        v, False, tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
                         HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
             out_tok = tl.where(depth_lanes == depth, token, out_tok)
             tl.store(out_tokens_ptr + b * (max_depth + 1) + depth_lanes, out_tok.to(tl.int32),
