@@ -584,9 +584,10 @@ def _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr, HAS
 def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, TREE: tl.constexpr,
               HAS_TEMPERATURE: tl.constexpr, CU_BLOCK: tl.constexpr):
     """The target row of a threshold slot as the verification kernel maps it: (request b, row,
-    valid, k = log2(e) / T, greedy). Chain: slot = b * (max_spec_len + 1) + t, row = cu[b] + b + t
-    for t <= n (max_rows = max_spec_len + 1); tree: slot = node row, b its owner under the
-    sanitized offsets."""
+    valid, k = log2(e) / T, greedy, draft): chain: slot = b * (max_spec_len + 1) + t,
+    row = cu[b] + b + t for t <= n (max_rows = max_spec_len + 1), draft = the index cu[b] + t of
+    the draft row t tests (-1 for the bonus row t = n); tree: slot = node row, b its owner under
+    the sanitized offsets, draft = -1."""
     LOG2E: tl.constexpr = 1.4426950408889634
     if TREE:
         row = slot.to(tl.int64)
@@ -594,6 +595,7 @@ def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, T
         cu_lo = _sanitized_cu(cu_ptr, b, num_requests, num_rows, CU_BLOCK)
         n = _sanitized_cu(cu_ptr, b + 1, num_requests, num_rows, CU_BLOCK) - cu_lo
         valid = (b < num_requests) & (row >= cu_lo) & (row < cu_lo + n)
+        draft = tl.full([], -1, tl.int64)
     else:
         b = slot // max_rows
         t = slot % max_rows
@@ -601,12 +603,13 @@ def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, T
         n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_rows - 1)
         row = cu_lo + b + t
         valid = (t <= n) & (row >= 0) & (row < num_rows)
+        draft = tl.where(t < n, cu_lo + t, -1)
     if HAS_TEMPERATURE:
         temp = tl.load(temperature_ptr + b, mask=b < num_requests, other=1.0).to(tl.float32)
     else:
         temp = tl.full([], 1.0, tl.float32)
     greedy = not (temp > 0.0)
-    return b, row, valid, tl.where(greedy, LOG2E, LOG2E / temp), greedy
+    return b, row, valid, tl.where(greedy, LOG2E, LOG2E / temp), greedy, draft
 
 
 @triton.jit
@@ -625,8 +628,8 @@ def _filter_stats_kernel(
     unit = tl.program_id(0)
     slot = unit // num_splits
     s_idx = unit % num_splits
-    b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
-                                         TREE, HAS_TEMPERATURE, CU_BLOCK)
+    b, row, valid, k, greedy, _draft = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
+                                                 TREE, HAS_TEMPERATURE, CU_BLOCK)
     filtered = tl.zeros([], tl.int1)
     if valid:
         _, _, _, filtered = _request_filters(b, greedy, vocab_size, top_k_ptr, top_p_ptr, min_p_ptr,
@@ -693,8 +696,8 @@ def _filter_threshold_kernel(
     EXCLUDE_DRAFT (chain without draft probabilities): the table leaves out row t's draft token
     for t < n, as the chain kernel's stream does."""
     slot = tl.program_id(0)
-    b, row, valid, k, greedy = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
-                                         TREE, HAS_TEMPERATURE, CU_BLOCK)
+    b, row, valid, k, greedy, draft = _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows,
+                                                TREE, HAS_TEMPERATURE, CU_BLOCK)
     thr = tl.full([], float("-inf"), tl.float32)
     kept_z = tl.zeros([], tl.float32)
     if valid:
@@ -721,12 +724,8 @@ def _filter_threshold_kernel(
                 if kept_n >= 0:
                     excluded = tl.full([], -1, tl.int32)
                     if EXCLUDE_DRAFT:
-                        t = slot % max_rows
-                        n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - tl.load(cu_ptr + b), 0),
-                                       max_rows - 1)
-                        d = row - b  # = cu[b] + t
-                        if (t < n) & (d >= 0) & (d < num_drafts):
-                            excluded = tl.load(draft_ids_ptr + d).to(tl.int32)
+                        if (draft >= 0) & (draft < num_drafts):
+                            excluded = tl.load(draft_ids_ptr + draft).to(tl.int32)
                     idx_row = _bracket_indices(scratch_row, CHUNKS_PAD, CHUNK, SUB, FINE_CHUNKS)
                     kept_w_row = kept_w_ptr + slot.to(tl.int64) * num_chunks
                     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
@@ -793,10 +792,9 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     stream splits each row in ``num_splits``, the verification kernel's count, unless
     FILTER_STATS_PROGRAMS_PER_SM says otherwise; ``num_groups``, the verification kernel's tiles
     per row, bounds it) and return its ``RowThresholds`` (views of the workspace ``f32``, sized
-    by ``threshold_workspace_sizes``). The verification kernel then
-    treats every logit below its row's threshold as -inf and skips the chunks whose max is below
-    it, or, for a row whose whole kept set the search held (kept_z > 0), does not read the row
-    at all. excluded_drafts (chain without draft probabilities): the draft token ids, left out of
+    by ``threshold_workspace_sizes``). The verification kernel then treats every logit below its
+    row's threshold as -inf and skips the chunks whose max is below it, or, for a row whose whole
+    kept set the search held (kept_z > 0), does not read the row at all. excluded_drafts (chain without draft probabilities): the draft token ids, left out of
     row t's kept-set chunk table for t < n."""
     R, V = target_logits.shape
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
