@@ -303,11 +303,11 @@ try:
                               PIVOT_ACCUMULATE: tl.constexpr):
         r = tl.program_id(0)
         k = 1.4426950408889634 / tl.load(temp_ptr + r)
-        thr, _kept_n = _row_threshold(logits_ptr + r * vocab, cmax_ptr + r * num_chunks, submax_ptr + r * num_chunks * 8,
-                             scratch_ptr + r * scratch_stride, buf_ptr + r * CAP, tl.load(max_ptr + r),
-                             tl.load(sum_ptr + r), k, tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
-                             tl.load(min_p_ptr + r), vocab, num_chunks, num_chunks * 8, CHUNKS_PAD, 256, CAP, 8,
-                             PIVOT_TILE, 16, PIVOT_ACCUMULATE, 32, 64, 64)
+        thr, _kept_n = _row_threshold(
+            logits_ptr + r * vocab, cmax_ptr + r * num_chunks, submax_ptr + r * num_chunks * 8,
+            scratch_ptr + r * scratch_stride, buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r), k,
+            tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), tl.load(min_p_ptr + r), vocab, num_chunks,
+            num_chunks * 8, CHUNKS_PAD, 256, CAP, 8, PIVOT_TILE, 16, PIVOT_ACCUMULATE, 32, 64, 64)
         tl.store(thr_ptr + r, thr)
 except ImportError:  # triton is optional
     _row_threshold_kernel = None
@@ -413,8 +413,7 @@ def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, stats
     res = tf.launch_row_thresholds(
         f32, i32, logits.to(device), cu.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
         min_p.to(device), tree=False, num_requests=B, slots=slots, max_rows=L + 1, num_splits=num_splits,
-        num_groups=num_groups, num_warps=NUM_WARPS,
-        excluded_drafts=drafts.to(device))
+        num_groups=num_groups, num_warps=NUM_WARPS, excluded_drafts=drafts.to(device))
     thr, cmax = res.thr.cpu(), res.cmax.cpu().view(slots, num_chunks)
     kept_w, kept_m, kept_z = res.kept_w.cpu().view(slots, num_chunks), res.kept_m.cpu(), res.kept_z.cpu()
     padded = torch.full((rows, num_chunks * SAMPLE_CHUNK), float("-inf"))
