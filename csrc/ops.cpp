@@ -25,4 +25,10 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
       "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
+  // The CUDA chain kernel with the sampling filters' per-row thresholds (the threshold pass's,
+  // specdec_kernels/triton_filters.py); private: the Python API calls it.
+  m.def(
+      "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
+      "str method, Tensor? row_thresholds) -> (Tensor output_token_ids, Tensor num_accepted)");
 }

@@ -70,6 +70,7 @@ int64_t concurrent_ctas(int device_index) {
 
 struct Call {
   at::Tensor logits, draft_ids, cu, draft_probs, temperature, seeds, offsets;
+  at::Tensor row_thresholds;  // sampling filters' thresholds per (request, row), or undefined
   int64_t num_requests, max_spec_len;
   at::Tensor out_tokens, num_accepted;
 };
@@ -113,6 +114,7 @@ void launch(const Call& call) {
   p.output_token_ids = call.out_tokens.data_ptr<int32_t>();
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
   p.counters = counters;
+  p.row_thresholds = call.row_thresholds.defined() ? call.row_thresholds.data_ptr<float>() : nullptr;
   p.split_records = reinterpret_cast<specdec::RsSplitRecord*>(records);
   p.residual_records = reinterpret_cast<specdec::RsResidualRecord*>(records + residual_offset);
   p.residual_masses = plan.num_residual_masses > 0 ? reinterpret_cast<float*>(records + masses_offset) : nullptr;
@@ -146,16 +148,13 @@ void launch_for_dtypes(const Call& call) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
+// The op's work, with the sampling filters' row thresholds when given (the threshold pass's,
+// computed by the caller: _rejection_sample_cuda_filtered).
+std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
-    c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
-    const std::optional<at::Tensor>& min_p) {
-  // Sampling filters (#6) are fused in the reference and the Triton kernels only.
-  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
-              ": top_k / top_p / min_p are not implemented in the CUDA kernel; the Triton kernel has them: "
-              "specdec_kernels.rejection_sample(..., backend='triton'), or backend='auto' which picks it");
+    c10::string_view method, const std::optional<at::Tensor>& row_thresholds) {
   const bool block_method = method == "block";
   TORCH_CHECK(method == "token" || block_method, kOp, ": method must be 'token' or 'block', got '",
               std::string(method), "'");
@@ -215,6 +214,15 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
                                                std::numeric_limits<int64_t>::max(), {num_requests},
                                                at::TensorOptions().dtype(at::kLong).device(device));
   if (offsets.has_value()) call.offsets = offsets->contiguous();
+  if (row_thresholds.has_value()) {
+    const at::Tensor& thr = *row_thresholds;
+    TORCH_CHECK(thr.dim() == 1 && thr.size(0) == num_requests * (max_spec_len + 1), kOp,
+                ": row_thresholds must have shape [B * (max_spec_len + 1)] = [", num_requests * (max_spec_len + 1),
+                "], got ", thr.sizes());
+    TORCH_CHECK(thr.scalar_type() == at::kFloat, kOp, ": row_thresholds must be float32, got ", thr.scalar_type());
+    check_device("row_thresholds", thr, device);
+    call.row_thresholds = thr.contiguous();
+  }
   call.num_requests = num_requests;
   call.max_spec_len = max_spec_len;
 
@@ -226,6 +234,24 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
   return {call.out_tokens, call.num_accepted};
 }
 
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
+    const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
+    const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
+    c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
+    const std::optional<at::Tensor>& min_p) {
+  // The filters need the threshold pass first (Triton, specdec_kernels/triton_filters.py): the
+  // Python API runs it and calls _rejection_sample_cuda_filtered.
+  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
+              ": top_k / top_p / min_p need the threshold pass before this kernel: call "
+              "specdec_kernels.rejection_sample(..., backend='cuda'), which runs it, or backend='triton'");
+  return run_rejection_sample(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
+                              offsets, max_spec_len, method, std::nullopt);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(specdec, CUDA, m) { m.impl("rejection_sample", &rejection_sample_cuda); }
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("rejection_sample", &rejection_sample_cuda);
+  m.impl("_rejection_sample_cuda_filtered", &run_rejection_sample);
+}

@@ -561,7 +561,7 @@ def test_triton_interpreter_tree_agrees_with_reference(small_bracket, kept_set, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("draft_probs", [False, True])
 @pytest.mark.parametrize("method", ["token", "block"])
-def test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method):
+def test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method, backend="triton"):
     total, agree = 0, 0.0
     for seed in range(2):
         batch = 64
@@ -570,7 +570,7 @@ def test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method):
         filters = random_filters(batch, vocab, seed=seed)
         filters[0][: batch // 4] = 50  # the benchmark's setting on a quarter of the requests
         filters[1][: batch // 4] = 0.9
-        rate = _agree("triton", "cuda", args, filters, method)
+        rate = _agree(backend, "cuda", args, filters, method)
         agree += rate * batch
         total += batch
     assert agree / total >= 0.99, f"{agree / total:.2%} of {total} requests agree"
@@ -725,14 +725,30 @@ def test_tree_opcheck_with_filters(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built() or "triton" not in gpu_backends(),
+                    reason="needs the CUDA kernel and Triton (its threshold pass) on a GPU")
+@pytest.mark.parametrize("vocab", [128256, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_probs", [False, True])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_gpu_cuda_filters_agree_with_reference(vocab, dtype, draft_probs, method):
+    """The CUDA chain kernel with the threshold pass's thresholds (backend="cuda")."""
+    test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method, backend="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built(), reason="needs the CUDA kernel on a GPU")
-def test_cuda_kernel_refuses_filters_and_auto_uses_triton():
+def test_cuda_kernel_op_refuses_filters_and_auto_uses_triton():
+    """The op itself cannot run the threshold pass (C++): it refuses the filters; the Python API
+    runs them on the CUDA kernel for backend="cuda" and on Triton for "auto"."""
     args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in random_batch(8, 3, 1000, draft_probs=True, seed=0)]
     filters = [f.cuda() for f in random_filters(8, 1000, seed=0)]
-    with pytest.raises(RuntimeError, match="top_k / top_p / min_p are not implemented in the CUDA kernel"):
+    with pytest.raises(RuntimeError, match="top_k / top_p / min_p need the threshold pass"):
         torch.ops.specdec.rejection_sample(*args, "token", *filters)
-    with pytest.raises(RuntimeError, match="backend='triton'"):
-        specdec_kernels.rejection_sample(*args, "token", *filters, backend="cuda")
+    cuda_out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="cuda")
+    ref = specdec_kernels.rejection_sample(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in args], "token",
+                                           *[f.cpu() for f in filters], backend="reference")
+    assert (cuda_out[0].cpu() == ref[0]).all(1).float().mean() >= 0.99
     auto = specdec_kernels.rejection_sample(*args, "token", *filters)  # auto -> Triton
     triton_out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="triton")
     assert torch.equal(auto[0], triton_out[0]) and torch.equal(auto[1], triton_out[1])

@@ -92,6 +92,14 @@ def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, 
     return out, target_logits.new_empty((batch,), dtype=torch.int32)
 
 
+if hasattr(torch.ops.specdec, "_rejection_sample_cuda_filtered"):
+    @torch.library.register_fake("specdec::_rejection_sample_cuda_filtered")
+    def _rejection_sample_cuda_filtered_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                             temperature, seeds, offsets, max_spec_len, method, row_thresholds):
+        return _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                                      seeds, offsets, max_spec_len, method)
+
+
 def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                           temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
                           top_p=None, min_p=None):

@@ -163,6 +163,10 @@ struct RejectionSampleParams {
   // Workspace. counters [2 * num_requests + 2], zero between calls: per-request phase-1 and
   // phase-2 completion counts, then the ticket and the finished count.
   int32_t* counters;
+  // Sampling filters (docs/ALGORITHM.md §7): the threshold logit of each (request b, row t) at
+  // b * (max_spec_len + 1) + t from the threshold pass; logits below it count as -inf (-inf:
+  // unfiltered). nullptr: no filters.
+  const float* row_thresholds;
   RsSplitRecord* split_records;        // [units_phase1]
   RsResidualRecord* residual_records;  // [num_requests * residual_rows * residual_splits]
   // Block verification with draft probabilities: each phase-2 unit's residual mass
@@ -416,10 +420,18 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 // NaN -> -inf (never sampled), +inf -> FLT_MAX.
 __device__ __forceinline__ float sanitize(float x) { return is_nan(x) ? -INFINITY : fminf(x, FLT_MAX); }
 
+// Sampling filters: a logit below the row's threshold thr (the threshold pass's, docs/ALGORITHM.md
+// §7) counts as -inf; with thr = -inf this is sanitize (only NaN fails x >= -inf).
+__device__ __forceinline__ float sanitize_below(float x, float thr) {
+  return x >= thr ? fminf(x, FLT_MAX) : -INFINITY;
+}
+
 // The residual weight r = max(0, q - p) with q = exp2((l - row_max) k) / row_sum where q > 0,
-// else 0: a NaN logit reads as -inf (q = 0), a NaN p gives 0 (fmaxf drops the NaN).
-__device__ __forceinline__ float residual_weight(float logit, float prob, float row_max, float k, float inv_sum) {
-  const float q = exp2f((sanitize(logit) - row_max) * k) * inv_sum;
+// else 0: a NaN logit (or one below the filter threshold thr) reads as -inf (q = 0), a NaN p
+// gives 0 (fmaxf drops the NaN).
+__device__ __forceinline__ float residual_weight(float logit, float prob, float row_max, float k, float inv_sum,
+                                                 float thr) {
+  const float q = exp2f((sanitize_below(logit, thr) - row_max) * k) * inv_sum;
   return q > 0.0f ? fmaxf(q - prob, 0.0f) : 0.0f;
 }
 
@@ -730,16 +742,17 @@ __device__ __forceinline__ int warp_inverse_cdf(const float (&w)[kRsLaneEntries]
 }
 
 // The sample of q inside chunk `chunk` (one warp; lane l holds its entries 8 l .. 8 l + 7 in
-// seg): weights exp2((l - m) k) relative to the chunk max m, `excluded` left out.
+// seg): weights exp2((l - m) k) relative to the chunk max m, `excluded` and logits below the
+// filter threshold thr left out.
 template <typename T>
 __device__ __forceinline__ int warp_sample_chunk(const Segment<T, kRsLaneEntries>& seg, int chunk, float k,
-                                                 int excluded, float u) {
+                                                 int excluded, float u, float thr) {
   const int lane_base = chunk * kSampleChunk + (threadIdx.x & 31) * kRsLaneEntries;
   float w[kRsLaneEntries];
   float lane_max = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kRsLaneEntries; ++j) {
-    w[j] = sanitize(segment_value(seg, j));
+    w[j] = sanitize_below(segment_value(seg, j), thr);
     lane_max = fmaxf(lane_max, w[j]);
   }
   const float m = warp_max(lane_max);
@@ -754,12 +767,13 @@ __device__ __forceinline__ int warp_sample_chunk(const Segment<T, kRsLaneEntries
 template <typename T, typename P>
 __device__ __forceinline__ int warp_sample_residual_chunk(const Segment<T, kRsLaneEntries>& lseg,
                                                           const Segment<P, kRsLaneEntries>& pseg, int chunk,
-                                                          float row_max, float k, float inv_sum, float u) {
+                                                          float row_max, float k, float inv_sum, float u,
+                                                          float thr) {
   const int lane_base = chunk * kSampleChunk + (threadIdx.x & 31) * kRsLaneEntries;
   float w[kRsLaneEntries];
 #pragma unroll
   for (int j = 0; j < kRsLaneEntries; ++j) {
-    w[j] = residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum);
+    w[j] = residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum, thr);
   }
   return warp_inverse_cdf(w, u, lane_base);
 }
@@ -1083,6 +1097,9 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int tile_lo = split * p.plan.tiles_per_split;
   const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
   const float k = rq.k;
+  // Sampling filters: the row's threshold (-inf: unfiltered; greedy rows ignore the filters).
+  const float thr = (p.row_thresholds != nullptr && !rq.greedy)
+                        ? p.row_thresholds[static_cast<int64_t>(b) * width + t] : -INFINITY;
   const TileStream<T, kStages, 0> stream{row_ptr, limit, p.logits_vectorized, ElemBits<T>::kNegInf};
   const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
   issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
@@ -1104,7 +1121,8 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   if (threadIdx.x == 0) {
     sm.rq = rq;
     if (split == 0 && t < rq.n) {
-      if (draft >= 0 && row_ok) draft_logit = sanitize(load_value(row_ptr + draft));
+      // (-inf below the filter threshold: q(x) = 0, the draft is rejected)
+      if (draft >= 0 && row_ok) draft_logit = sanitize_below(load_value(row_ptr + draft), thr);
       if constexpr (kHasDraftProbs) {
         draft_prob = draft >= 0 ? load_value(static_cast<const P*>(p.draft_probs) +
                                              (rq.cu_lo + t) * p.draft_probs_row_stride + draft)
@@ -1163,16 +1181,45 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     store_draft_operands();
     float run_max = -INFINITY, run_sum = 0.0f, race = -INFINITY;
     int race_chunk = INT_MAX;
+    // A filtered row (CTA-uniform) takes a plain per-entry path: logits below thr count as -inf.
+    const bool filtered = thr > -INFINITY;
     pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
       const int chunk = tile * kRsTileChunks + group;
       Seg seg[kRsLaneSegments];
+#pragma unroll
+      for (int h = 0; h < kRsLaneSegments; ++h) seg[h] = stream.segment(stage, h);
+      // The chunk max (sanitized, filtered), its mass without the excluded draft, and with it.
+      float m, mass, full;
+      if (filtered) {
+        float lane_max = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+          for (int j = 0; j < kE; ++j) lane_max = fmaxf(lane_max, sanitize_below(segment_value(seg[h], j), thr));
+        }
+        m = group_max(lane_max);
+        const float m_safe = m > -INFINITY ? m : 0.0f;
+        float lane_mass = 0.0f, lane_excluded = 0.0f;
+#pragma unroll
+        for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+          for (int j = 0; j < kE; ++j) {
+            const float x = sanitize_below(segment_value(seg[h], j), thr);
+            const float w = x > -INFINITY ? exp2f((x - m_safe) * k) : 0.0f;
+            if (entry_index(chunk, h, j) == excluded) {
+              lane_excluded += w;
+            } else {
+              lane_mass += w;
+            }
+          }
+        }
+        mass = group_sum(lane_mass);
+        full = mass + group_sum(lane_excluded);
+      } else {
       float lane_max = -INFINITY;
 #pragma unroll
-      for (int h = 0; h < kRsLaneSegments; ++h) {
-        seg[h] = stream.segment(stage, h);
-        lane_max = fmaxf(lane_max, segment_max(seg[h]));
-      }
-      const float m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
+      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(seg[h]));
+      m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
       // exp2((l - m) k) as one FMA, exp2(l k - m k), while m k is small: its float rounding
       // (|m k| 2^-24, one factor for the whole chunk, but a different one per chunk) stays
       // below 2^-16, as accurate as (l - m) k. Larger |m k| (tiny temperatures: T = 1e-6 makes
@@ -1202,7 +1249,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
           }
         }
       }
-      float mass = mass0 + mass1;
+      mass = mass0 + mass1;
       // This lane's weights of segment h as the sample uses them, recomputed from the tile:
       // NaN logits (weight NaN) -> 0, +inf logits (weight inf) -> 1, the excluded draft -> 0.
       const auto segment_weights = [=](int h, float(&w)[kE]) {
@@ -1235,7 +1282,8 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
         }
       }
       mass = group_sum(mass);
-      const float full = tile == excluded_tile ? mass + group_sum(excluded_w) : mass;
+      full = tile == excluded_tile ? mass + group_sum(excluded_w) : mass;
+      }
       // The race relative to the running max (docs/ALGORITHM.md §3: shift by (m_c - M) k).
       const float new_max = fmaxf(run_max, m);
       const float old_score = run_max > -INFINITY ? race + (run_max - new_max) * k : -INFINITY;
@@ -1288,7 +1336,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     if (chunk >= 0) {
       const int excluded = kHasDraftProbs ? -1 : draft;
       candidate = warp_sample_chunk(stream.chunk_segment(chunk, tile_lo, tile_hi), chunk, k, excluded,
-                                    sm.noise[chunk - tile_lo * kRsTileChunks].x);
+                                    sm.noise[chunk - tile_lo * kRsTileChunks].x, thr);
     }
   }
   if (threadIdx.x == 0) {
@@ -1406,6 +1454,9 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int64_t slot = request_slot * p.plan.residual_splits + split;
   if (needs_residual) {
     const float k = rq.k;
+    // Sampling filters: q is 0 below the row's threshold (-inf: unfiltered).
+    const float thr = p.row_thresholds != nullptr
+                          ? p.row_thresholds[static_cast<int64_t>(b) * (p.max_spec_len + 1) + t_star] : -INFINITY;
     // q * P as exp2((l - M) k) * (P / S): P folds into the normalizer (P = 1 for token mode).
     const float inv_sum = kBlock ? residual_scale * __frcp_rn(sum_star) : __frcp_rn(sum_star);
     const int limit = p.vocab_size;
@@ -1437,7 +1488,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
         const auto pseg = probs.segment(stage, h);
 #pragma unroll
         for (int j = 0; j < kE; ++j) {
-          mass += residual_weight(segment_value(lseg, j), segment_value(pseg, j), max_star, k, inv_sum);
+          mass += residual_weight(segment_value(lseg, j), segment_value(pseg, j), max_star, k, inv_sum, thr);
         }
       }
       mass = group_sum(mass);
@@ -1463,7 +1514,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
       if (chunk >= 0) {
         candidate = warp_sample_residual_chunk(logits.chunk_segment(chunk, tile_lo, tile_hi),
                                                probs.chunk_segment(chunk, tile_lo, tile_hi), chunk, max_star, k,
-                                               inv_sum, sm.noise[chunk - chunk_lo].x);
+                                               inv_sum, sm.noise[chunk - chunk_lo].x, thr);
       }
       if (threadIdx.x == 0) {
         __stcg(reinterpret_cast<float2*>(p.residual_records + slot), make_float2(score, __int_as_float(candidate)));
