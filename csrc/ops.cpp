@@ -31,4 +31,9 @@ TORCH_LIBRARY(specdec, m) {
       "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
       "str method, Tensor? row_thresholds) -> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
+      "_tree_rejection_sample_cuda_filtered(Tensor target_logits, Tensor tokens, Tensor parents, "
+      "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
+      "int max_depth, Tensor? row_thresholds) "
+      "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 }

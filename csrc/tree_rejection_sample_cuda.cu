@@ -69,6 +69,7 @@ int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 struct Call {
   at::Tensor logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets;
+  at::Tensor row_thresholds;  // sampling filters' thresholds per node row, or undefined
   int64_t num_requests, max_depth;
   at::Tensor out_tokens, out_nodes, num_accepted;
 };
@@ -111,6 +112,7 @@ void launch(const Call& call) {
   p.accepted_nodes = call.out_nodes.data_ptr<int32_t>();
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
   p.counters = counters;
+  p.row_thresholds = call.row_thresholds.defined() ? call.row_thresholds.data_ptr<float>() : nullptr;
   p.split_records = reinterpret_cast<specdec::RtSplitRecord*>(records);
   p.node_records = reinterpret_cast<specdec::RtNodeRecord*>(records + node_offset);
   p.chunk_tables = reinterpret_cast<float2*>(records + table_offset);
@@ -134,16 +136,13 @@ void launch_for_probs(const Call& call) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
+// The op's work, with the sampling filters' node-row thresholds when given (the threshold
+// pass's, computed by the caller: _tree_rejection_sample_cuda_filtered).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_tree_rejection_sample(
     const at::Tensor& target_logits, const at::Tensor& tokens, const at::Tensor& parents,
     const at::Tensor& cu_num_nodes, const std::optional<at::Tensor>& draft_probs,
     const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seeds,
-    const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& top_k,
-    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
-  // Sampling filters (#6) are fused in the reference and the Triton kernels only.
-  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
-              ": top_k / top_p / min_p are not implemented in the CUDA kernel; the Triton kernel has them: "
-              "specdec_kernels.tree_rejection_sample(..., backend='triton'), or backend='auto' which picks it");
+    const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& row_thresholds) {
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
@@ -200,6 +199,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
                                                std::numeric_limits<int64_t>::max(), {num_requests},
                                                at::TensorOptions().dtype(at::kLong).device(device));
   if (offsets.has_value()) call.offsets = offsets->contiguous();
+  if (row_thresholds.has_value()) {
+    const at::Tensor& thr = *row_thresholds;
+    TORCH_CHECK(thr.dim() == 1 && thr.size(0) == target_logits.size(0), kOp,
+                ": row_thresholds must have shape [N] = [", target_logits.size(0), "], got ", thr.sizes());
+    TORCH_CHECK(thr.scalar_type() == at::kFloat, kOp, ": row_thresholds must be float32, got ", thr.scalar_type());
+    TORCH_CHECK(thr.device() == target_logits.device(), kOp, ": row_thresholds must be on ", target_logits.device(),
+                ", got ", thr.device());
+    call.row_thresholds = thr.contiguous();
+  }
   call.num_requests = num_requests;
   call.max_depth = max_depth;
 
@@ -211,6 +219,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
   return {call.out_tokens, call.out_nodes, call.num_accepted};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
+    const at::Tensor& target_logits, const at::Tensor& tokens, const at::Tensor& parents,
+    const at::Tensor& cu_num_nodes, const std::optional<at::Tensor>& draft_probs,
+    const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seeds,
+    const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& top_k,
+    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
+  // The filters need the threshold pass first (Triton, specdec_kernels/triton_filters.py): the
+  // Python API runs it and calls _tree_rejection_sample_cuda_filtered.
+  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
+              ": top_k / top_p / min_p need the threshold pass before this kernel: call "
+              "specdec_kernels.tree_rejection_sample(..., backend='cuda'), which runs it, or backend='triton'");
+  return run_tree_rejection_sample(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
+                                   offsets, max_depth, std::nullopt);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(specdec, CUDA, m) { m.impl("tree_rejection_sample", &tree_rejection_sample_cuda); }
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("tree_rejection_sample", &tree_rejection_sample_cuda);
+  m.impl("_tree_rejection_sample_cuda_filtered", &run_tree_rejection_sample);
+}

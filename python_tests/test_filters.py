@@ -579,7 +579,7 @@ def test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method, bac
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_gpu_triton_tree_agrees_with_reference(draft_probs):
+def test_gpu_triton_tree_agrees_with_reference(draft_probs, backend="triton"):
     from test_tree import _random_trees
     vocab = 32000
     logits, tokens, parents, cu = _random_trees(32, vocab, seed=3)
@@ -591,9 +591,19 @@ def test_gpu_triton_tree_agrees_with_reference(draft_probs):
     ref = specdec_kernels.tree_rejection_sample(logits, tokens, parents, cu, probs, temp, seeds, None, 4, *filters,
                                                 backend="reference")
     cuda = [None if t is None else t.cuda() for t in (logits, tokens, parents, cu, probs, temp, seeds)]
-    got = specdec_kernels.tree_rejection_sample(*cuda, None, 4, *(f.cuda() for f in filters), backend="triton")
+    got = specdec_kernels.tree_rejection_sample(*cuda, None, 4, *(f.cuda() for f in filters), backend=backend)
     same = (ref[0] == got[0].cpu()).all(1) & (ref[2] == got[2].cpu())
     assert same.float().mean().item() >= 0.97
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE)
+                    or "triton" not in gpu_backends(),
+                    reason="needs the CUDA tree kernel and Triton (its threshold pass) on a GPU")
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_gpu_cuda_tree_filters_agree_with_reference(draft_probs):
+    """The CUDA tree kernel with the threshold pass's thresholds (backend="cuda")."""
+    test_gpu_triton_tree_agrees_with_reference(draft_probs, backend="cuda")
 
 
 @pytest.mark.parametrize("backend,device", DIST_BACKENDS + ([("triton", "cpu")] if INTERPRETER else []))

@@ -829,23 +829,38 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     return RowThresholds(thr, cmax, kept_w, kept_m, kept_z)
 
 
-def chain_row_thresholds(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p, min_p,
-                         max_spec_len: int) -> torch.Tensor:
-    """The threshold pass for the CUDA chain kernel (``_rejection_sample_cuda_filtered``): the
-    threshold logit per (request b, row t) at b * (max_spec_len + 1) + t, -inf for rows that are
-    not filtered. A view of the Triton kernels' cached workspace, valid until the next launch."""
-    from .triton_rejection_sample import GROUP, NUM_WARPS, _target_programs, _workspace
+def _row_thresholds_for_cuda(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p, min_p, *,
+                             tree: bool, slots: int, max_rows: int) -> torch.Tensor:
+    """The threshold pass's thresholds for the CUDA kernels (views of the Triton kernels' cached
+    workspace, valid until their next launch)."""
     from .ops import inner_contiguous
+    from .triton_rejection_sample import GROUP, NUM_WARPS, _target_programs, _workspace
+    from .triton_tree_rejection_sample import CU_BLOCK
     rows, vocab = target_logits.shape
-    batch = cu.shape[0] - 1
     num_chunks = triton.cdiv(max(vocab, 1), SAMPLE_CHUNK)
     num_groups = triton.cdiv(num_chunks, GROUP)
     num_splits = max(1, min(triton.cdiv(_target_programs(target_logits.device), max(rows, 1)), num_groups))
-    slots = batch * (int(max_spec_len) + 1)
     n_f32, n_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks)
     f32, i32, _ = _workspace(target_logits.device, n_f32, n_i32, 1)
     filters = [None if f is None else inner_contiguous(f) for f in (top_k, top_p, min_p)]
     return launch_row_thresholds(
-        f32[:n_f32], i32[:n_i32], inner_contiguous(target_logits), cu, temperature, *filters, tree=False,
-        num_requests=batch, slots=slots, max_rows=int(max_spec_len) + 1, num_splits=num_splits,
-        num_groups=num_groups, num_warps=NUM_WARPS).thr
+        f32[:n_f32], i32[:n_i32], inner_contiguous(target_logits), cu, temperature, *filters, tree=tree,
+        num_requests=cu.shape[0] - 1, slots=slots, max_rows=max_rows, num_splits=num_splits, num_groups=num_groups,
+        num_warps=NUM_WARPS, cu_block=CU_BLOCK).thr
+
+
+def chain_row_thresholds(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p, min_p,
+                         max_spec_len: int) -> torch.Tensor:
+    """The threshold pass for the CUDA chain kernel (``_rejection_sample_cuda_filtered``): the
+    threshold logit per (request b, row t) at b * (max_spec_len + 1) + t, -inf for rows that are
+    not filtered."""
+    return _row_thresholds_for_cuda(target_logits, cu, temperature, top_k, top_p, min_p, tree=False,
+                                    slots=(cu.shape[0] - 1) * (int(max_spec_len) + 1), max_rows=int(max_spec_len) + 1)
+
+
+def tree_row_thresholds(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p,
+                        min_p) -> torch.Tensor:
+    """The threshold pass for the CUDA tree kernel (``_tree_rejection_sample_cuda_filtered``): the
+    threshold logit per node row, -inf for rows that are not filtered."""
+    return _row_thresholds_for_cuda(target_logits, cu, temperature, top_k, top_p, min_p, tree=True,
+                                    slots=target_logits.shape[0], max_rows=1)

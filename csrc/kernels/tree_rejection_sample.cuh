@@ -105,6 +105,9 @@ struct TreeRejectionSampleParams {
   RtSplitRecord* split_records;  // [units_phase1]
   RtNodeRecord* node_records;    // [num_nodes]
   float2* chunk_tables;          // [num_nodes, num_chunks]: (chunk max m_c, sum of exp2((l - m_c) k))
+  // Sampling filters (docs/ALGORITHM.md §7): each node row's threshold logit from the threshold
+  // pass; logits below it count as -inf (-inf: unfiltered). nullptr: no filters.
+  const float* row_thresholds;   // [num_nodes]
   int64_t num_nodes;
   int32_t vocab_size;
   int32_t num_requests;
@@ -363,7 +366,10 @@ __device__ __forceinline__ void write_node_record(const TreeRejectionSampleParam
   float edge_logit = -INFINITY, edge_prob = 0.0f;
   if (linked && token_ok) {
     const int64_t parent_row = rq.cu_lo + parent;  // in [cu'[b], row)
-    edge_logit = sanitize(load_value(static_cast<const T*>(p.target_logits) + parent_row * p.logits_row_stride + token));
+    // (-inf below the parent row's filter threshold: q(token) = 0, the edge is rejected)
+    const float parent_thr = p.row_thresholds != nullptr ? p.row_thresholds[parent_row] : -INFINITY;
+    edge_logit = sanitize_below(
+        load_value(static_cast<const T*>(p.target_logits) + parent_row * p.logits_row_stride + token), parent_thr);
     if constexpr (kHasDraftProbs) {
       edge_prob = load_value(static_cast<const P*>(p.draft_probs) + parent_row * p.draft_probs_row_stride + token);
     }
@@ -443,16 +449,40 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
     // Per lane group: running max and sum over its chunks, and each chunk's table entry.
     float2* table = p.chunk_tables + row * p.plan.num_chunks;
     float run_max = -INFINITY, run_sum = 0.0f;
+    // Sampling filters: a filtered row (CTA-uniform) takes a plain per-entry path, logits below
+    // its threshold counting as -inf.
+    const float thr = p.row_thresholds != nullptr ? p.row_thresholds[row] : -INFINITY;
+    const bool filtered = thr > -INFINITY;
     pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
       const int chunk = tile * kRsTileChunks + group;
       Seg seg[kRsLaneSegments];
+#pragma unroll
+      for (int h = 0; h < kRsLaneSegments; ++h) seg[h] = stream.segment(stage, h);
+      float m, mass;  // the chunk max (sanitized, filtered) and its mass
+      if (filtered) {
+        float lane_max = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+          for (int j = 0; j < kE; ++j) lane_max = fmaxf(lane_max, sanitize_below(segment_value(seg[h], j), thr));
+        }
+        m = group_max(lane_max);
+        const float m_safe = m > -INFINITY ? m : 0.0f;
+        float lane_mass = 0.0f;
+#pragma unroll
+        for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+          for (int j = 0; j < kE; ++j) {
+            const float x = sanitize_below(segment_value(seg[h], j), thr);
+            lane_mass += x > -INFINITY ? exp2f((x - m_safe) * k) : 0.0f;
+          }
+        }
+        mass = group_sum(lane_mass);
+      } else {
       float lane_max = -INFINITY;
 #pragma unroll
-      for (int h = 0; h < kRsLaneSegments; ++h) {
-        seg[h] = stream.segment(stage, h);
-        lane_max = fmaxf(lane_max, segment_max(seg[h]));
-      }
-      const float m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
+      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(seg[h]));
+      m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
       // exp2((l - m) k) as one FMA, exp2(l k - m k), while m k is small: its float rounding
       // (|m k| 2^-24, the same factor for the whole chunk) stays below 2^-16, as accurate as
       // (l - m) k. Larger |m k| (large logits, tiny temperatures: T = 1e-6 makes m k ~ 1e7,
@@ -478,7 +508,7 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
           }
         }
       }
-      float mass = mass0 + mass1;
+      mass = mass0 + mass1;
       // Each weight is about <= 1, so a larger (or NaN) sum means a NaN or +inf logit in this
       // lane. Rare: recompute the lane's weights as the Triton kernel does,
       // exp2((sanitize(l) - m) k), with NaN -> 0 and +inf -> FLT_MAX.
@@ -495,6 +525,7 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
         }
       }
       mass = group_sum(mass);
+      }
       if (gl == 0 && chunk < p.plan.num_chunks) __stcg(table + chunk, make_float2(m, mass));
       if (m > run_max) {
         run_sum = run_sum * exp2f((run_max - m) * k) + mass;  // 0 while run_max = -inf
@@ -626,6 +657,11 @@ struct Walk {
     return RtNodeRecord{__float_as_int(r.x), __float_as_int(r.y), r.z, r.w};
   }
 
+  // Node j's filter threshold (-inf: unfiltered).
+  __device__ __forceinline__ float threshold(int j) const {
+    return p.row_thresholds != nullptr ? p.row_thresholds[rq.cu_lo + j] : -INFINITY;
+  }
+
   __device__ __forceinline__ float accept_uniform(int j) const {
     if (j < kRtCachedNodes) return NodeCache::f32(NodeCache::kAcceptU, j);
     return uniform_from_word(philox_words(rq.seed, rq.offset, kStreamAccept, static_cast<uint32_t>(j), 0u).x);
@@ -719,10 +755,11 @@ __device__ __forceinline__ float warp_chunk_weights(const Walk& walk, int v, int
   const int lane_base = chunk * kSampleChunk + (threadIdx.x & 31) * kRsLaneEntries;
   const Segment<T, kRsLaneEntries> seg =
       load_segment<T, kRsLaneEntries>(row, lane_base, p.vocab_size, p.logits_vectorized, ElemBits<T>::kNegInf);
+  const float thr = walk.threshold(v);
   float lane_max = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kRsLaneEntries; ++j) {
-    w[j] = sanitize(segment_value(seg, j));
+    w[j] = sanitize_below(segment_value(seg, j), thr);
     lane_max = fmaxf(lane_max, w[j]);
   }
   const float m = warp_max(lane_max);
@@ -833,8 +870,8 @@ __device__ int sample_without_children(const Walk& walk, RtShared& sm, int v, fl
 // r = (q - a p)+ with q = exp2((l - row_max) k) / row_sum where q > 0, else 0; a NaN p gives 0
 // (fmaxf drops the NaN), as the Triton kernel's where(r == r, r, 0).
 __device__ __forceinline__ float scaled_residual_weight(float logit, float prob, float row_max, float k,
-                                                        float inv_sum, float a) {
-  const float q = exp2f((sanitize(logit) - row_max) * k) * inv_sum;
+                                                        float inv_sum, float a, float thr) {
+  const float q = exp2f((sanitize_below(logit, thr) - row_max) * k) * inv_sum;
   return q > 0.0f ? fmaxf(q - a * prob, 0.0f) : 0.0f;
 }
 
@@ -858,6 +895,7 @@ __device__ ResidualResult residual_pass(const Walk& walk, RtShared& sm, int v, c
   const int64_t row = rq.cu_lo + v;
   const T* logits_row = static_cast<const T*>(p.target_logits) + row * p.logits_row_stride;
   const P* probs_row = static_cast<const P*>(p.draft_probs) + row * p.draft_probs_row_stride;
+  const float thr = walk.threshold(v);
   const LogitStream logits{logits_row, p.vocab_size, p.logits_vectorized, ElemBits<T>::kNegInf};
   const ProbStream probs{probs_row, p.vocab_size, p.probs_vectorized, 0u};
   const auto issue = [&](int tile, int stage) {
@@ -880,7 +918,7 @@ __device__ ResidualResult residual_pass(const Walk& walk, RtShared& sm, int v, c
       const auto pseg = probs.segment(stage, h);
 #pragma unroll
       for (int j = 0; j < kE; ++j) {
-        mass += scaled_residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum, a);
+        mass += scaled_residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum, a, thr);
       }
     }
     if constexpr (kRace) {
@@ -913,7 +951,7 @@ __device__ ResidualResult residual_pass(const Walk& walk, RtShared& sm, int v, c
         float w[kE];
 #pragma unroll
         for (int j = 0; j < kE; ++j) {
-          w[j] = scaled_residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum, a);
+          w[j] = scaled_residual_weight(segment_value(lseg, j), segment_value(pseg, j), row_max, k, inv_sum, a, thr);
         }
         const float u = uniform_from_word(
             philox_words(rq.seed, rq.offset, kStreamSample, static_cast<uint32_t>(v), static_cast<uint32_t>(chunk)).x);
