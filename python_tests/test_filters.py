@@ -697,6 +697,9 @@ def test_opcheck_and_compile_with_filters(device):
     ops_to_check = [torch.ops.specdec._rejection_sample_triton.default]
     if device == "cpu" or not ops.cuda_kernel_built():
         ops_to_check.append(torch.ops.specdec.rejection_sample.default)
+    if device == "cpu" or ops.cuda_kernel_built():
+        # The twin that runs the CUDA C++ kernel after the threshold pass (backend="cuda").
+        ops_to_check.append(torch.ops.specdec._rejection_sample_cuda_filters.default)
     for op in ops_to_check:
         torch.library.opcheck(op, (*args, "token", *filters))
 
@@ -721,6 +724,8 @@ def test_tree_opcheck_with_filters(device):
     ops_to_check = [torch.ops.specdec._tree_rejection_sample_triton.default]
     if device == "cpu" or not ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
         ops_to_check.append(torch.ops.specdec.tree_rejection_sample.default)
+    if device == "cpu" or ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
+        ops_to_check.append(torch.ops.specdec._tree_rejection_sample_cuda_filters.default)
     for op in ops_to_check:
         torch.library.opcheck(op, args)
 

@@ -116,11 +116,8 @@ def rejection_sample(
         return ops.triton_call(*args, method, top_k, top_p, min_p)
     if filtered and device.type == "cuda" and ops.cuda_kernel_built():
         if backend == "cuda":
-            # The CUDA kernel masks each row below the threshold pass's threshold (Triton).
-            from .triton_filters import chain_row_thresholds
-            thr = chain_row_thresholds(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p,
-                                       max_spec_len)
-            return torch.ops.specdec._rejection_sample_cuda_filtered(*args, method, thr)
+            # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
+            return torch.ops.specdec._rejection_sample_cuda_filters(*args, method, top_k, top_p, min_p)
         # "auto": the Triton kernel's op (it also verifies rows from their kept set: faster).
         return torch.ops.specdec._rejection_sample_triton(*args, method, top_k, top_p, min_p)
     return torch.ops.specdec.rejection_sample(*args, method, top_k, top_p, min_p)

@@ -169,6 +169,42 @@ def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_no
                             seeds, offsets, max_depth, top_k, top_p, min_p)
 
 
+def _cuda_filters_unavailable(op: str):
+    if not _CUDA_BUILT[op]:
+        raise RuntimeError(f"{op} with top_k / top_p / min_p on the CUDA backend: the CUDA kernel was not built into "
+                           "specdec_kernels._C (backend='triton' has the filters)")
+    if rejection_sample_triton is None:
+        raise RuntimeError(f"{op} with top_k / top_p / min_p on the CUDA backend needs Triton for the threshold pass "
+                           f"before the kernel, and triton cannot be imported ({TRITON_IMPORT_ERROR})")
+
+
+def _rejection_sample_cuda_filters(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                   temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
+                                   top_p=None, min_p=None):
+    """The CUDA C++ chain kernel with sampling filters: the threshold pass (Triton), then the
+    kernel with the per-row thresholds (``_rejection_sample_cuda_filtered``)."""
+    _cuda_filters_unavailable(REJECTION_SAMPLE)
+    check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
+    from .triton_filters import chain_row_thresholds
+    thr = chain_row_thresholds(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, max_spec_len)
+    return torch.ops.specdec._rejection_sample_cuda_filtered(
+        target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets, max_spec_len,
+        method, thr)
+
+
+def _tree_rejection_sample_cuda_filters(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+                                        seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None):
+    """The CUDA C++ tree kernel with sampling filters (threshold pass first, as above)."""
+    _cuda_filters_unavailable(TREE_REJECTION_SAMPLE)
+    check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
+    from .triton_filters import tree_row_thresholds
+    thr = tree_row_thresholds(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p)
+    return torch.ops.specdec._tree_rejection_sample_cuda_filtered(
+        target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth, thr)
+
+
 # Private twins of the two ops that always run the Triton kernel on CUDA tensors (the reference
 # on CPU tensors): what the Python API's backend "auto" calls for work the CUDA C++ kernel does
 # not implement (sampling filters, block verification). Ops rather than plain Python calls, so
@@ -185,6 +221,12 @@ _TWIN_SCHEMAS = {
         "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
         "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)"),
 }
+# ... and of the two that run the CUDA C++ kernels with sampling filters (the threshold pass, then
+# the kernel: one op for torch.compile and CUDA graphs, as above).
+_TWIN_SCHEMAS["_rejection_sample_cuda_filters"] = _TWIN_SCHEMAS["_rejection_sample_triton"].replace(
+    "_rejection_sample_triton", "_rejection_sample_cuda_filters")
+_TWIN_SCHEMAS["_tree_rejection_sample_cuda_filters"] = _TWIN_SCHEMAS["_tree_rejection_sample_triton"].replace(
+    "_tree_rejection_sample_triton", "_tree_rejection_sample_cuda_filters")
 _lib_twins = torch.library.Library("specdec", "FRAGMENT")
 for _name, _schema in _TWIN_SCHEMAS.items():
     if not hasattr(torch.ops.specdec, _name):
@@ -195,6 +237,12 @@ _lib.impl("_rejection_sample_triton", _rejection_sample_cpu, "CPU")
 _lib.impl("_rejection_sample_triton", _rejection_sample_cuda_triton, "CUDA")
 _lib.impl("_tree_rejection_sample_triton", _tree_rejection_sample_cpu, "CPU")
 _lib.impl("_tree_rejection_sample_triton", _tree_rejection_sample_cuda_triton, "CUDA")
+torch.library.register_fake("specdec::_rejection_sample_cuda_filters")(_rejection_sample_fake)
+torch.library.register_fake("specdec::_tree_rejection_sample_cuda_filters")(_tree_rejection_sample_fake)
+_lib.impl("_rejection_sample_cuda_filters", _rejection_sample_cpu, "CPU")
+_lib.impl("_rejection_sample_cuda_filters", _rejection_sample_cuda_filters, "CUDA")
+_lib.impl("_tree_rejection_sample_cuda_filters", _tree_rejection_sample_cpu, "CPU")
+_lib.impl("_tree_rejection_sample_cuda_filters", _tree_rejection_sample_cuda_filters, "CUDA")
 
 _lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
 _lib.impl("tree_rejection_sample", _tree_rejection_sample_cpu, "CPU")

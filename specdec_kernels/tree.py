@@ -98,10 +98,8 @@ def tree_rejection_sample(
         return ops.tree_triton_call(*args, top_k, top_p, min_p)
     if filtered and device.type == "cuda" and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
         if backend == "cuda":
-            # The CUDA kernel masks each node row below the threshold pass's threshold (Triton).
-            from .triton_filters import tree_row_thresholds
-            thr = tree_row_thresholds(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p)
-            return torch.ops.specdec._tree_rejection_sample_cuda_filtered(*args, thr)
+            # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
+            return torch.ops.specdec._tree_rejection_sample_cuda_filters(*args, top_k, top_p, min_p)
         # "auto": the Triton kernel's op (it also verifies rows from their kept set).
         return torch.ops.specdec._tree_rejection_sample_triton(*args, top_k, top_p, min_p)
     return torch.ops.specdec.tree_rejection_sample(*args, top_k, top_p, min_p)
