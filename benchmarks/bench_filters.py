@@ -203,6 +203,9 @@ def main():
                     variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
                 if cuda_built:
                     variants.append(("cuda", lambda inp: op_call(inp, k, "cuda")))
+                    # The CUDA C++ kernel after the threshold pass (backend="cuda"), same settings.
+                    variants += [(f"cuda {name}", lambda inp, s=s: op_call(inp, k, "cuda", filter_tensors(batch, s)))
+                                 for name, s in FILTER_SETTINGS.items() if name in settings]
                 knob_runs = [{}]
                 if args.knobs:
                     knob_runs += [dict(FILTER_CAP=cap, FILTER_TILE=tile) for cap in (64, 256, 512, 1024)
