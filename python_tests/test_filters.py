@@ -776,21 +776,24 @@ def test_cuda_kernel_op_refuses_filters_and_auto_uses_triton():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_gpu_graph_replay_with_filters(draft_probs):
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+def test_gpu_graph_replay_with_filters(draft_probs, backend):
+    if backend == "cuda" and not ops.cuda_kernel_built():
+        pytest.skip("CUDA kernel not built")
     args = list(random_batch(24, 4, 32000, dtype=torch.bfloat16, draft_probs=draft_probs, seed=5, device="cuda"))
     filters = [f.cuda() for f in random_filters(24, 32000, seed=5)]
     static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args] + [f.clone() for f in filters]
-    specdec_kernels.rejection_sample(*static[:8], "token", *static[8:])  # warm-up: compile, workspace
+    specdec_kernels.rejection_sample(*static[:8], "token", *static[8:], backend=backend)  # warm-up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, num = specdec_kernels.rejection_sample(*static[:8], "token", *static[8:])
+        out, num = specdec_kernels.rejection_sample(*static[:8], "token", *static[8:], backend=backend)
     for step in range(3):
         static[5].copy_(args[5] + step)
         static[8].copy_(torch.roll(filters[0], step))  # new per-request settings each replay
         graph.replay()
         ref = specdec_kernels.rejection_sample(*args[:5], args[5] + step, *args[6:8], "token",
-                                               torch.roll(filters[0], step), *filters[1:])
+                                               torch.roll(filters[0], step), *filters[1:], backend=backend)
         torch.cuda.synchronize()
         assert torch.equal(out, ref[0]) and torch.equal(num, ref[1])
 
