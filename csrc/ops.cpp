@@ -30,7 +30,8 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method, Tensor? row_thresholds) -> (Tensor output_token_ids, Tensor num_accepted)");
+      "str method, Tensor? row_thresholds, Tensor? kept_sum=None, Tensor? kept_max=None, Tensor? chunk_max=None, "
+      "Tensor? kept_chunk_mass=None) -> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "_tree_rejection_sample_cuda_filtered(Tensor target_logits, Tensor tokens, Tensor parents, "
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "

@@ -51,7 +51,7 @@ std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_co
 
 // CTAs of an instance the current device runs at once (SMs x resident CTAs per SM, after
 // raising the instance's shared-memory limit), cached per device.
-template <typename T, typename P, RsMethod kMethod>
+template <typename T, typename P, RsMethod kMethod, bool kFiltered>
 int64_t concurrent_ctas(int device_index) {
   static std::mutex mutex;
   static std::vector<int64_t> cache;
@@ -60,7 +60,7 @@ int64_t concurrent_ctas(int device_index) {
   if (cache.size() <= index) cache.resize(index + 1, 0);
   if (cache[index] == 0) {
     int blocks = 0, sms = 0;
-    const cudaError_t prepared = specdec::rejection_sample_prepare<T, P, kMethod>(&blocks);
+    const cudaError_t prepared = specdec::rejection_sample_prepare<T, P, kMethod, kFiltered>(&blocks);
     C10_CUDA_CHECK(prepared);
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
     cache[index] = int64_t{std::max(blocks, 1)} * std::max(sms, 1);
@@ -71,6 +71,8 @@ int64_t concurrent_ctas(int device_index) {
 struct Call {
   at::Tensor logits, draft_ids, cu, draft_probs, temperature, seeds, offsets;
   at::Tensor row_thresholds;  // sampling filters' thresholds per (request, row), or undefined
+  // The threshold pass's record of the rows verified from their kept set, or undefined.
+  at::Tensor kept_sum, kept_max, chunk_max, kept_chunk_mass;
   int64_t num_requests, max_spec_len;
   at::Tensor out_tokens, num_accepted;
 };
@@ -81,9 +83,13 @@ void launch(const Call& call) {
   const at::Device device = call.logits.device();
   const int64_t num_rows = call.logits.size(0);
   const int64_t vocab = call.logits.size(1);
+  // Calls with sampling filters run the instance with the filter paths; the others one without.
+  const bool filtered = call.row_thresholds.defined();
   const RejectionSamplePlan plan =
       specdec::plan_rejection_sample(num_rows, call.num_requests, vocab, call.max_spec_len, kHasDraftProbs,
-                                     concurrent_ctas<T, P, kMethod>(device.index()), kMethod,
+                                     filtered ? concurrent_ctas<T, P, kMethod, true>(device.index())
+                                              : concurrent_ctas<T, P, kMethod, false>(device.index()),
+                                     kMethod,
                                      binding::units_per_slot(specdec::kRsUnitsPerSlot));
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
@@ -115,6 +121,12 @@ void launch(const Call& call) {
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
   p.counters = counters;
   p.row_thresholds = call.row_thresholds.defined() ? call.row_thresholds.data_ptr<float>() : nullptr;
+  if (call.kept_sum.defined()) {
+    p.kept_sum = call.kept_sum.data_ptr<float>();
+    p.kept_max = call.kept_max.data_ptr<float>();
+    p.chunk_max = call.chunk_max.data_ptr<float>();
+    p.kept_chunk_mass = call.kept_chunk_mass.data_ptr<float>();
+  }
   p.split_records = reinterpret_cast<specdec::RsSplitRecord*>(records);
   p.residual_records = reinterpret_cast<specdec::RsResidualRecord*>(records + residual_offset);
   p.residual_masses = plan.num_residual_masses > 0 ? reinterpret_cast<float*>(records + masses_offset) : nullptr;
@@ -125,7 +137,12 @@ void launch(const Call& call) {
   p.max_spec_len = static_cast<int32_t>(call.max_spec_len);
   p.plan = plan;
 
-  specdec::launch_rejection_sample<T, P, kMethod>(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  if (filtered) {
+    specdec::launch_rejection_sample<T, P, kMethod, true>(p, stream);
+  } else {
+    specdec::launch_rejection_sample<T, P, kMethod, false>(p, stream);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -148,13 +165,24 @@ void launch_for_dtypes(const Call& call) {
   }
 }
 
+// A float32 vector of `size` entries on `device` (the kept-set record's tensors), contiguous.
+at::Tensor float_vector(const char* name, const at::Tensor& t, int64_t size, const at::Device& device) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == size, kOp, ": ", name, " must have shape [", size, "], got a ", t.dim(),
+              "-D tensor of ", t.numel(), " entries");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, ": ", name, " must be float32, got ", t.scalar_type());
+  check_device(name, t, device);
+  return t.contiguous();
+}
+
 // The op's work, with the sampling filters' row thresholds when given (the threshold pass's,
 // computed by the caller: _rejection_sample_cuda_filtered).
 std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
-    c10::string_view method, const std::optional<at::Tensor>& row_thresholds) {
+    c10::string_view method, const std::optional<at::Tensor>& row_thresholds,
+    const std::optional<at::Tensor>& kept_sum, const std::optional<at::Tensor>& kept_max,
+    const std::optional<at::Tensor>& chunk_max, const std::optional<at::Tensor>& kept_chunk_mass) {
   const bool block_method = method == "block";
   TORCH_CHECK(method == "token" || block_method, kOp, ": method must be 'token' or 'block', got '",
               std::string(method), "'");
@@ -223,6 +251,18 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
     check_device("row_thresholds", thr, device);
     call.row_thresholds = thr.contiguous();
   }
+  // The kept-set record comes whole or not at all, and only with the thresholds.
+  const int n_kept = kept_sum.has_value() + kept_max.has_value() + chunk_max.has_value() + kept_chunk_mass.has_value();
+  TORCH_CHECK(n_kept == 0 || (n_kept == 4 && row_thresholds.has_value()), kOp,
+              ": kept_sum, kept_max, chunk_max and kept_chunk_mass go together, with row_thresholds");
+  if (n_kept == 4) {
+    const int64_t slots = num_requests * (max_spec_len + 1);
+    const int64_t table = slots * ((target_logits.size(1) + specdec::kSampleChunk - 1) / specdec::kSampleChunk);
+    call.kept_sum = float_vector("kept_sum", *kept_sum, slots, device);
+    call.kept_max = float_vector("kept_max", *kept_max, slots, device);
+    call.chunk_max = float_vector("chunk_max", *chunk_max, table, device);
+    call.kept_chunk_mass = float_vector("kept_chunk_mass", *kept_chunk_mass, table, device);
+  }
   call.num_requests = num_requests;
   call.max_spec_len = max_spec_len;
 
@@ -246,7 +286,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
               ": top_k / top_p / min_p need the threshold pass before this kernel: call "
               "specdec_kernels.rejection_sample(..., backend='cuda'), which runs it, or backend='triton'");
   return run_rejection_sample(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
-                              offsets, max_spec_len, method, std::nullopt);
+                              offsets, max_spec_len, method, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                              std::nullopt);
 }
 
 }  // namespace

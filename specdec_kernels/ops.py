@@ -95,7 +95,8 @@ def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, 
 if hasattr(torch.ops.specdec, "_rejection_sample_cuda_filtered"):
     @torch.library.register_fake("specdec::_rejection_sample_cuda_filtered")
     def _rejection_sample_cuda_filtered_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                             temperature, seeds, offsets, max_spec_len, method, row_thresholds):
+                                             temperature, seeds, offsets, max_spec_len, method, row_thresholds,
+                                             kept_sum=None, kept_max=None, chunk_max=None, kept_chunk_mass=None):
         return _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
                                       seeds, offsets, max_spec_len, method)
 
@@ -187,10 +188,13 @@ def _rejection_sample_cuda_filters(target_logits, draft_token_ids, cu_num_draft_
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
     from .triton_filters import chain_row_thresholds
-    thr = chain_row_thresholds(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, max_spec_len)
+    # Deterministic drafts leave the draft out of row t's kept-set chunk table, as the kernel's
+    # stream leaves it out of its own.
+    rows = chain_row_thresholds(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, max_spec_len,
+                                excluded_drafts=draft_token_ids.contiguous() if draft_probs is None else None)
     return torch.ops.specdec._rejection_sample_cuda_filtered(
         target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets, max_spec_len,
-        method, thr)
+        method, rows.thr, rows.kept_z, rows.kept_m, rows.cmax, rows.kept_w)
 
 
 def _tree_rejection_sample_cuda_filters(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
@@ -200,7 +204,7 @@ def _tree_rejection_sample_cuda_filters(target_logits, tokens, parents, cu_num_n
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                        temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
     from .triton_filters import tree_row_thresholds
-    thr = tree_row_thresholds(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p)
+    thr = tree_row_thresholds(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p).thr
     return torch.ops.specdec._tree_rejection_sample_cuda_filtered(
         target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth, thr)
 

@@ -830,9 +830,10 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
 
 
 def _row_thresholds_for_cuda(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p, min_p, *,
-                             tree: bool, slots: int, max_rows: int) -> torch.Tensor:
-    """The threshold pass's thresholds for the CUDA kernels (views of the Triton kernels' cached
-    workspace, valid until their next launch)."""
+                             tree: bool, slots: int, max_rows: int,
+                             excluded_drafts: torch.Tensor | None = None) -> RowThresholds:
+    """The threshold pass for the CUDA kernels (views of the Triton kernels' cached workspace,
+    valid until their next launch)."""
     from .ops import inner_contiguous
     from .triton_rejection_sample import GROUP, NUM_WARPS, _target_programs, _workspace
     from .triton_tree_rejection_sample import CU_BLOCK
@@ -846,21 +847,24 @@ def _row_thresholds_for_cuda(target_logits: torch.Tensor, cu: torch.Tensor, temp
     return launch_row_thresholds(
         f32[:n_f32], i32[:n_i32], inner_contiguous(target_logits), cu, temperature, *filters, tree=tree,
         num_requests=cu.shape[0] - 1, slots=slots, max_rows=max_rows, num_splits=num_splits, num_groups=num_groups,
-        num_warps=NUM_WARPS, cu_block=CU_BLOCK).thr
+        num_warps=NUM_WARPS, cu_block=CU_BLOCK, excluded_drafts=excluded_drafts)
 
 
 def chain_row_thresholds(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p, min_p,
-                         max_spec_len: int) -> torch.Tensor:
-    """The threshold pass for the CUDA chain kernel (``_rejection_sample_cuda_filtered``): the
-    threshold logit per (request b, row t) at b * (max_spec_len + 1) + t, -inf for rows that are
-    not filtered."""
+                         max_spec_len: int, excluded_drafts: torch.Tensor | None = None) -> RowThresholds:
+    """The threshold pass for the CUDA chain kernel (``_rejection_sample_cuda_filtered``): per
+    (request b, row t) at b * (max_spec_len + 1) + t the threshold logit (-inf for rows that are
+    not filtered) and the record of the rows verified from their kept set (excluded_drafts: the
+    draft ids of deterministic drafts, left out of row t < n's chunk table)."""
     return _row_thresholds_for_cuda(target_logits, cu, temperature, top_k, top_p, min_p, tree=False,
-                                    slots=(cu.shape[0] - 1) * (int(max_spec_len) + 1), max_rows=int(max_spec_len) + 1)
+                                    slots=(cu.shape[0] - 1) * (int(max_spec_len) + 1), max_rows=int(max_spec_len) + 1,
+                                    excluded_drafts=excluded_drafts)
 
 
 def tree_row_thresholds(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p,
-                        min_p) -> torch.Tensor:
+                        min_p) -> RowThresholds:
     """The threshold pass for the CUDA tree kernel (``_tree_rejection_sample_cuda_filtered``): the
-    threshold logit per node row, -inf for rows that are not filtered."""
+    threshold logit per node row, -inf for rows that are not filtered (the tree kernel streams
+    every filtered row; it does not use the kept-set record)."""
     return _row_thresholds_for_cuda(target_logits, cu, temperature, top_k, top_p, min_p, tree=True,
                                     slots=target_logits.shape[0], max_rows=1)

@@ -167,6 +167,16 @@ struct RejectionSampleParams {
   // b * (max_spec_len + 1) + t from the threshold pass; logits below it count as -inf (-inf:
   // unfiltered). nullptr: no filters.
   const float* row_thresholds;
+  // Rows verified from their kept set (docs/ALGORITHM.md §7): for a filtered row whose whole kept
+  // set the threshold pass's search held, the pass wrote its kept sum Z_t (kept_sum > 0 marks such
+  // a row; 0 for every other row), its max, and per chunk c (at (b * (max_spec_len + 1) + t) *
+  // num_chunks + c) the chunk max m_c and the kept mass sum exp2((l - m_c) k) of the chunk, the
+  // excluded draft left out as the stream leaves it out. Such a row's units stream nothing.
+  // nullptr: every filtered row is streamed.
+  const float* kept_sum;
+  const float* kept_max;
+  const float* chunk_max;
+  const float* kept_chunk_mass;
   RsSplitRecord* split_records;        // [units_phase1]
   RsResidualRecord* residual_records;  // [num_requests * residual_rows * residual_splits]
   // Block verification with draft probabilities: each phase-2 unit's residual mass
@@ -1073,9 +1083,113 @@ __device__ int row_argmax(const T* row, int limit, RsShared& sm) {
   return sm.argmax;
 }
 
+// ------------------------------------------------------------------------- kept-set rows
+
+// Split 0 of a row verified from its kept set: the chunk race over the threshold pass's table
+// (score log2(W_c) - log2(-log2 v_c) + (m_c - M) k relative to the row max M, lowest chunk on
+// ties, the stream's noise), then warp 0 samples inside the winner, reading those 256 logits.
+// Every thread gets the score; warp 0 the candidate (-1: none).
+template <typename T>
+__device__ __forceinline__ void kept_set_race(const RejectionSampleParams& p, RsShared& sm, const RequestContext& rq,
+                                              int64_t slot, int t, const T* row_ptr, int limit, float row_max,
+                                              int excluded, float thr, float& score, int& candidate) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int num_chunks = p.plan.num_chunks;
+  const float* mass_row = p.kept_chunk_mass + slot * num_chunks;
+  const float* max_row = p.chunk_max + slot * num_chunks;
+  float best = -INFINITY;
+  int best_chunk = INT_MAX, unused = -1;
+  for (int c = threadIdx.x; c < num_chunks; c += kRsThreads) {  // c increases: the first wins ties
+    const float w = __ldcg(mass_row + c);
+    if (w > 0.0f) {
+      const PhiloxBlock r = philox_words(rq.seed, rq.offset, kStreamSample, static_cast<uint32_t>(t),
+                                         static_cast<uint32_t>(c));
+      const float s = (log2f(w) - log2f(-log2f(open_uniform_from_word(r.y)))) + (__ldcg(max_row + c) - row_max) * rq.k;
+      if (s > best) {
+        best = s;
+        best_chunk = c;
+      }
+    }
+  }
+  warp_race_winner(best, best_chunk, unused);
+  if (lane == 0) {
+    sm.reduce_score[warp] = best;
+    sm.reduce_chunk[warp] = best_chunk;
+  }
+  __syncthreads();
+  score = -INFINITY;
+  int chunk = INT_MAX;
+#pragma unroll
+  for (int w = 0; w < kRsWarps; ++w) {
+    if (sm.reduce_score[w] > score || (sm.reduce_score[w] == score && sm.reduce_chunk[w] < chunk)) {
+      score = sm.reduce_score[w];
+      chunk = sm.reduce_chunk[w];
+    }
+  }
+  candidate = -1;
+  if (warp == 0 && score > -INFINITY) {
+    const Segment<T, kRsLaneEntries> seg = load_segment<T, kRsLaneEntries>(
+        row_ptr, chunk * kSampleChunk + lane * kRsLaneEntries, limit, p.logits_vectorized, ElemBits<T>::kNegInf);
+    const float u = uniform_from_word(philox_words(rq.seed, rq.offset, kStreamSample, static_cast<uint32_t>(t),
+                                                   static_cast<uint32_t>(chunk)).x);
+    candidate = warp_sample_chunk(seg, chunk, rq.k, excluded, u, thr);
+  }
+}
+
+// The end of a phase-1 unit: its record, its count, and the request's finalization by the last
+// unit (deterministic drafts and greedy requests; phase 2 finalizes the others).
+template <typename T, typename P, RsMethod kMethod>
+__device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& p, RsShared& sm, int unit, int b,
+                                                   const RequestContext& rq, float m, float s, int argmax,
+                                                   float score, int draft, int candidate) {
+  constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
+  if (threadIdx.x == 0) {
+    float4* rec = reinterpret_cast<float4*>(p.split_records + static_cast<int64_t>(unit));
+    __stcg(rec, make_float4(m, s, __int_as_float(argmax), score));
+    __stcg(rec + 1, make_float4(__int_as_float(draft), sm.draft_logit, sm.draft_prob, __int_as_float(candidate)));
+    // Release the record, then count it; the last unit of the request finalizes it.
+    __threadfence();
+    const int done = atomicAdd(p.counters + b, 1);
+    const int last = done == (rq.n + 1) * p.plan.num_splits - 1;
+    if (last) __threadfence();  // acquire the other units' records
+    sm.is_last = last;
+  }
+  __syncthreads();
+  // With draft probabilities random requests are finalized by their phase-2 units.
+  if (sm.is_last && (!kHasDraftProbs || rq.greedy)) {
+    if constexpr (kMethod == kRsMethodBlock && !kHasDraftProbs) {
+      // Point-mass drafts: R_i comes from the accept-test operands, and the sample of row tau
+      // (its draft left out when tau < n') is already in its records.
+      if (rq.greedy) {
+        decide_request(p, b, sm);
+      } else {
+        decide_block<false, true>(p, b, sm, rq.n);
+      }
+    } else {
+      decide_request(p, b, sm);
+    }
+    const RequestContext rq = sm.rq;
+    const int t_star = sm.t_star;
+    int token = rq.greedy ? sm.argmax_star : sm.sample_star;
+    if (!rq.greedy && token < 0) {
+      // Deterministic drafts: q minus the rejected draft is empty only if q is a point mass,
+      // which is then the argmax (-1 for a row without a valid logit).
+      const int64_t row_star = rq.cu_lo + b + t_star;
+      const bool star_ok = row_star >= 0 && row_star < p.num_rows;
+      token = row_argmax(static_cast<const T*>(p.target_logits) + (star_ok ? row_star : 0) * p.logits_row_stride,
+                         star_ok ? p.vocab_size : 0, sm);
+    }
+    write_outputs(p, rq, b, t_star, token);
+    if (threadIdx.x == 0) p.counters[b] = 0;
+  }
+}
+
 // -------------------------------------------------------------------------------- phase 1
 
-template <typename T, typename P, RsMethod kMethod>
+// kFiltered: the instance for calls with sampling filters (p.row_thresholds set); the
+// unfiltered instance compiles none of the filter paths.
+template <typename T, typename P, RsMethod kMethod, bool kFiltered>
 __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int unit) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
   constexpr int kStages = RsConfig<T, P>::kStages;
@@ -1098,11 +1212,13 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
   const float k = rq.k;
   // Sampling filters: the row's threshold (-inf: unfiltered; greedy rows ignore the filters).
-  const float thr = (p.row_thresholds != nullptr && !rq.greedy)
-                        ? p.row_thresholds[static_cast<int64_t>(b) * width + t] : -INFINITY;
+  const int64_t slot = static_cast<int64_t>(b) * width + t;
+  const float thr = (kFiltered && !rq.greedy) ? p.row_thresholds[slot] : -INFINITY;
+  // A filtered row whose kept set the threshold pass held: no stream (CTA-uniform).
+  const bool kept_row = kFiltered && thr > -INFINITY && p.kept_sum != nullptr && p.kept_sum[slot] > 0.0f;
   const TileStream<T, kStages, 0> stream{row_ptr, limit, p.logits_vectorized, ElemBits<T>::kNegInf};
   const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
-  issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
+  if (!kept_row) issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
 
   // While the first tiles arrive: the draft of this row. Split 0 records it with l(x) and
   // p(x) for the accept test (thread 0 loads them; they hit lines the stream reads anyway),
@@ -1136,6 +1252,20 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
       sm.draft_prob = draft_prob;
     }
   };
+
+  if (kept_row) {
+    // The row's record from the pass's: split 0 gets M, Z_t and the race; the others are empty.
+    store_draft_operands();
+    float score = -INFINITY;
+    int candidate = -1;
+    if (split == 0) {
+      kept_set_race(p, sm, rq, slot, t, row_ptr, limit, p.kept_max[slot], kHasDraftProbs ? -1 : draft, thr, score,
+                    candidate);
+    }
+    finish_phase1_unit<T, P, kMethod>(p, sm, unit, b, rq, split == 0 ? p.kept_max[slot] : -INFINITY,
+                                      split == 0 ? p.kept_sum[slot] : 0.0f, -1, score, draft, candidate);
+    return;
+  }
 
   const int group = threadIdx.x / kRsChunkLanes;  // this thread's chunk of a tile
   const int gl = threadIdx.x % kRsChunkLanes;
@@ -1182,7 +1312,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     float run_max = -INFINITY, run_sum = 0.0f, race = -INFINITY;
     int race_chunk = INT_MAX;
     // A filtered row (CTA-uniform) takes a plain per-entry path: logits below thr count as -inf.
-    const bool filtered = thr > -INFINITY;
+    const bool filtered = kFiltered && thr > -INFINITY;
     pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
       const int chunk = tile * kRsTileChunks + group;
       Seg seg[kRsLaneSegments];
@@ -1339,50 +1469,13 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
                                     sm.noise[chunk - tile_lo * kRsTileChunks].x, thr);
     }
   }
-  if (threadIdx.x == 0) {
-    float4* rec = reinterpret_cast<float4*>(p.split_records + static_cast<int64_t>(unit));
-    __stcg(rec, make_float4(m, s, __int_as_float((rq.greedy && m > -INFINITY) ? a : -1), score));
-    __stcg(rec + 1, make_float4(__int_as_float(draft), sm.draft_logit, sm.draft_prob, __int_as_float(candidate)));
-    // Release the record, then count it; the last unit of the request finalizes it.
-    __threadfence();
-    const int done = atomicAdd(p.counters + b, 1);
-    const int last = done == (rq.n + 1) * p.plan.num_splits - 1;
-    if (last) __threadfence();  // acquire the other units' records
-    sm.is_last = last;
-  }
-  __syncthreads();
-  // With draft probabilities random requests are finalized by their phase-2 units.
-  if (sm.is_last && (!kHasDraftProbs || rq.greedy)) {
-    if constexpr (kMethod == kRsMethodBlock && !kHasDraftProbs) {
-      // Point-mass drafts: R_i comes from the accept-test operands, and the sample of row tau
-      // (its draft left out when tau < n') is already in its records.
-      if (rq.greedy) {
-        decide_request(p, b, sm);
-      } else {
-        decide_block<false, true>(p, b, sm, rq.n);
-      }
-    } else {
-      decide_request(p, b, sm);
-    }
-    const RequestContext rq = sm.rq;
-    const int t_star = sm.t_star;
-    int token = rq.greedy ? sm.argmax_star : sm.sample_star;
-    if (!rq.greedy && token < 0) {
-      // Deterministic drafts: q minus the rejected draft is empty only if q is a point mass,
-      // which is then the argmax (-1 for a row without a valid logit).
-      const int64_t row_star = rq.cu_lo + b + t_star;
-      const bool star_ok = row_star >= 0 && row_star < p.num_rows;
-      token = row_argmax(static_cast<const T*>(p.target_logits) + (star_ok ? row_star : 0) * p.logits_row_stride,
-                         star_ok ? p.vocab_size : 0, sm);
-    }
-    write_outputs(p, rq, b, t_star, token);
-    if (threadIdx.x == 0) p.counters[b] = 0;
-  }
+  finish_phase1_unit<T, P, kMethod>(p, sm, unit, b, rq, m, s, (rq.greedy && m > -INFINITY) ? a : -1, score, draft,
+                                    candidate);
 }
 
 // -------------------------------------------------------------------------------- phase 2
 
-template <typename T, typename P, RsMethod kMethod>
+template <typename T, typename P, RsMethod kMethod, bool kFiltered>
 __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int unit) {
   constexpr bool kBlock = kMethod == kRsMethodBlock;
   constexpr int kE = kRsLaneEntries;
@@ -1455,7 +1548,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   if (needs_residual) {
     const float k = rq.k;
     // Sampling filters: q is 0 below the row's threshold (-inf: unfiltered).
-    const float thr = p.row_thresholds != nullptr
+    const float thr = kFiltered
                           ? p.row_thresholds[static_cast<int64_t>(b) * (p.max_spec_len + 1) + t_star] : -INFINITY;
     // q * P as exp2((l - M) k) * (P / S): P folds into the normalizer (P = 1 for token mode).
     const float inv_sum = kBlock ? residual_scale * __frcp_rn(sum_star) : __frcp_rn(sum_star);
@@ -1593,7 +1686,7 @@ constexpr int rejection_sample_smem_bytes() {
   return rs_detail::RsConfig<T, P>::kSmemBytes;
 }
 
-template <typename T, typename P, RsMethod kMethod>
+template <typename T, typename P, RsMethod kMethod, bool kFiltered>
 __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlocksPerSM)
     rejection_sample_kernel(const RejectionSampleParams p) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
@@ -1606,9 +1699,9 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     unit = sm.unit;
   }
   if (unit < p.plan.units_phase1) {
-    rs_detail::phase1_unit<T, P, kMethod>(p, sm, unit);
+    rs_detail::phase1_unit<T, P, kMethod, kFiltered>(p, sm, unit);
   } else {
-    if constexpr (kHasDraftProbs) rs_detail::phase2_unit<T, P, kMethod>(p, sm, unit);
+    if constexpr (kHasDraftProbs) rs_detail::phase2_unit<T, P, kMethod, kFiltered>(p, sm, unit);
   }
   if constexpr (kHasDraftProbs) {
     if (threadIdx.x == 0) {
@@ -1624,20 +1717,21 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
 
 // Prepares an instance for launches on the current device (its shared-memory limit) and
 // returns how many of its CTAs an SM runs at once, for the plan's target grid size.
-template <typename T, typename P, RsMethod kMethod = kRsMethodToken>
+template <typename T, typename P, RsMethod kMethod = kRsMethodToken, bool kFiltered = false>
 cudaError_t rejection_sample_prepare(int* blocks_per_sm) {
   constexpr int kSmem = rejection_sample_smem_bytes<T, P>();
-  cudaError_t err = cudaFuncSetAttribute(rejection_sample_kernel<T, P, kMethod>,
+  cudaError_t err = cudaFuncSetAttribute(rejection_sample_kernel<T, P, kMethod, kFiltered>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, rejection_sample_kernel<T, P, kMethod>,
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, rejection_sample_kernel<T, P, kMethod, kFiltered>,
                                                        kRsThreads, kSmem);
 }
 
-// params.plan must come from plan_rejection_sample(..., kMethod).
-template <typename T, typename P, RsMethod kMethod = kRsMethodToken>
+// params.plan must come from plan_rejection_sample(..., kMethod); kFiltered iff
+// params.row_thresholds is set.
+template <typename T, typename P, RsMethod kMethod = kRsMethodToken, bool kFiltered = false>
 void launch_rejection_sample(const RejectionSampleParams& params, cudaStream_t stream) {
-  rejection_sample_kernel<T, P, kMethod>
+  rejection_sample_kernel<T, P, kMethod, kFiltered>
       <<<static_cast<unsigned int>(params.plan.units_total), kRsThreads, rejection_sample_smem_bytes<T, P>(), stream>>>(params);
 }
 
