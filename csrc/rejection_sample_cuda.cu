@@ -165,15 +165,6 @@ void launch_for_dtypes(const Call& call) {
   }
 }
 
-// A float32 vector of `size` entries on `device` (the kept-set record's tensors), contiguous.
-at::Tensor float_vector(const char* name, const at::Tensor& t, int64_t size, const at::Device& device) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == size, kOp, ": ", name, " must have shape [", size, "], got a ", t.dim(),
-              "-D tensor of ", t.numel(), " entries");
-  TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, ": ", name, " must be float32, got ", t.scalar_type());
-  check_device(name, t, device);
-  return t.contiguous();
-}
-
 // The op's work, with the sampling filters' row thresholds when given (the threshold pass's,
 // computed by the caller: _rejection_sample_cuda_filtered).
 std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
@@ -224,6 +215,26 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
   binding::check_optional_inputs(kOp, device, num_drafts, vocab, num_requests, draft_probs, temperature, seeds,
                                  offsets);
 
+  // Sampling filters: the thresholds per (request, row), and the kept-set record (all four or
+  // none, only with the thresholds), each a float32 vector of the size the kernel indexes.
+  const int n_kept = kept_sum.has_value() + kept_max.has_value() + chunk_max.has_value() + kept_chunk_mass.has_value();
+  TORCH_CHECK(n_kept == 0 || (n_kept == 4 && row_thresholds.has_value()), kOp,
+              ": kept_sum, kept_max, chunk_max and kept_chunk_mass go together, with row_thresholds");
+  const int64_t slots = num_requests * (max_spec_len + 1);
+  const int64_t table = slots * ((vocab + specdec::kSampleChunk - 1) / specdec::kSampleChunk);
+  const std::optional<at::Tensor>* filter_args[] = {&row_thresholds, &kept_sum, &kept_max, &chunk_max,
+                                                    &kept_chunk_mass};
+  const char* filter_names[] = {"row_thresholds", "kept_sum", "kept_max", "chunk_max", "kept_chunk_mass"};
+  const int64_t filter_sizes[] = {slots, slots, slots, table, table};
+  for (int i = 0; i < 5; ++i) {
+    if (!filter_args[i]->has_value()) continue;
+    const at::Tensor& t = **filter_args[i];
+    TORCH_CHECK(t.dim() == 1 && t.numel() == filter_sizes[i], kOp, ": ", filter_names[i], " must be 1-D with ",
+                filter_sizes[i], " entries, got ", t.dim(), "-D with ", t.numel());
+    TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, ": ", filter_names[i], " must be float32");
+    check_device(filter_names[i], t, device);
+  }
+
   const c10::cuda::CUDAGuard guard(device);
   const auto int32_options = at::TensorOptions().dtype(at::kInt).device(device);
   Call call;
@@ -243,25 +254,13 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
                                                at::TensorOptions().dtype(at::kLong).device(device));
   if (offsets.has_value()) call.offsets = offsets->contiguous();
   if (row_thresholds.has_value()) {
-    const at::Tensor& thr = *row_thresholds;
-    TORCH_CHECK(thr.dim() == 1 && thr.size(0) == num_requests * (max_spec_len + 1), kOp,
-                ": row_thresholds must have shape [B * (max_spec_len + 1)] = [", num_requests * (max_spec_len + 1),
-                "], got ", thr.sizes());
-    TORCH_CHECK(thr.scalar_type() == at::kFloat, kOp, ": row_thresholds must be float32, got ", thr.scalar_type());
-    check_device("row_thresholds", thr, device);
-    call.row_thresholds = thr.contiguous();
-  }
-  // The kept-set record comes whole or not at all, and only with the thresholds.
-  const int n_kept = kept_sum.has_value() + kept_max.has_value() + chunk_max.has_value() + kept_chunk_mass.has_value();
-  TORCH_CHECK(n_kept == 0 || (n_kept == 4 && row_thresholds.has_value()), kOp,
-              ": kept_sum, kept_max, chunk_max and kept_chunk_mass go together, with row_thresholds");
-  if (n_kept == 4) {
-    const int64_t slots = num_requests * (max_spec_len + 1);
-    const int64_t table = slots * ((target_logits.size(1) + specdec::kSampleChunk - 1) / specdec::kSampleChunk);
-    call.kept_sum = float_vector("kept_sum", *kept_sum, slots, device);
-    call.kept_max = float_vector("kept_max", *kept_max, slots, device);
-    call.chunk_max = float_vector("chunk_max", *chunk_max, table, device);
-    call.kept_chunk_mass = float_vector("kept_chunk_mass", *kept_chunk_mass, table, device);
+    call.row_thresholds = row_thresholds->contiguous();
+    if (n_kept == 4) {
+      call.kept_sum = kept_sum->contiguous();
+      call.kept_max = kept_max->contiguous();
+      call.chunk_max = chunk_max->contiguous();
+      call.kept_chunk_mass = kept_chunk_mass->contiguous();
+    }
   }
   call.num_requests = num_requests;
   call.max_spec_len = max_spec_len;

@@ -27,8 +27,11 @@ FLT_MAX = float(torch.finfo(torch.float32).max)
 P_MIN = 1e-4
 SAMPLES = 20000
 INTERPRETER = TRITON_ON_CPU and not HAS_CUDA and "triton" in gpu_backends()
-# Where the statistical tests run: the reference, and every GPU backend that has the filters.
-DIST_BACKENDS = [("reference", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else [])
+# Where the statistical tests run: the reference, and every GPU backend that has the filters (the
+# CUDA C++ kernels need Triton for their threshold pass).
+DIST_BACKENDS = [("reference", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else []) + (
+    [("cuda", "cuda")] if HAS_CUDA and "triton" in gpu_backends() and ops.cuda_kernel_built()
+    and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE) else [])
 # Agreement with the reference: the Triton kernel, on the GPU or in the interpreter.
 FUSED = ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
          [("triton", "cpu")] if INTERPRETER else [])
@@ -820,11 +823,11 @@ except RuntimeError as e:
 """
 BAD_CALLS = {
     "go together": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks, km)",
-    "chunk_max must have shape": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks, km, tab[1:], tab)",
-    "kept_sum must have shape": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks[1:], km, tab, tab)",
+    "chunk_max must be 1-D with": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks, km, tab[1:], tab)",
+    "kept_sum must be 1-D with": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks[1:], km, tab, tab)",
     "kept_chunk_mass must be float32": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks, km, tab, "
                                        "tab.double())",
-    "row_thresholds must have shape": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr[1:])",
+    "row_thresholds must be 1-D with": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr[1:])",
     # the public op's own checks (binding_common.h), for comparison
     "draft_probs must have shape": "torch.ops.specdec.rejection_sample(logits, ids, cu, "
                                    "torch.rand(3, V, device='cuda'), temp, seeds, None, 0)",
