@@ -235,18 +235,18 @@ _lib_twins = torch.library.Library("specdec", "FRAGMENT")
 for _name, _schema in _TWIN_SCHEMAS.items():
     if not hasattr(torch.ops.specdec, _name):
         _lib_twins.define(_schema)
-torch.library.register_fake("specdec::_rejection_sample_triton")(_rejection_sample_fake)
-torch.library.register_fake("specdec::_tree_rejection_sample_triton")(_tree_rejection_sample_fake)
-_lib.impl("_rejection_sample_triton", _rejection_sample_cpu, "CPU")
-_lib.impl("_rejection_sample_triton", _rejection_sample_cuda_triton, "CUDA")
-_lib.impl("_tree_rejection_sample_triton", _tree_rejection_sample_cpu, "CPU")
-_lib.impl("_tree_rejection_sample_triton", _tree_rejection_sample_cuda_triton, "CUDA")
-torch.library.register_fake("specdec::_rejection_sample_cuda_filters")(_rejection_sample_fake)
-torch.library.register_fake("specdec::_tree_rejection_sample_cuda_filters")(_tree_rejection_sample_fake)
-_lib.impl("_rejection_sample_cuda_filters", _rejection_sample_cpu, "CPU")
-_lib.impl("_rejection_sample_cuda_filters", _rejection_sample_cuda_filters, "CUDA")
-_lib.impl("_tree_rejection_sample_cuda_filters", _tree_rejection_sample_cpu, "CPU")
-_lib.impl("_tree_rejection_sample_cuda_filters", _tree_rejection_sample_cuda_filters, "CUDA")
+# Each twin: (fake, CPU kernel = the reference, CUDA kernel).
+for _name, (_fake, _cpu, _cuda) in {
+    "_rejection_sample_triton": (_rejection_sample_fake, _rejection_sample_cpu, _rejection_sample_cuda_triton),
+    "_tree_rejection_sample_triton": (_tree_rejection_sample_fake, _tree_rejection_sample_cpu,
+                                      _tree_rejection_sample_cuda_triton),
+    "_rejection_sample_cuda_filters": (_rejection_sample_fake, _rejection_sample_cpu, _rejection_sample_cuda_filters),
+    "_tree_rejection_sample_cuda_filters": (_tree_rejection_sample_fake, _tree_rejection_sample_cpu,
+                                            _tree_rejection_sample_cuda_filters),
+}.items():
+    torch.library.register_fake(f"specdec::{_name}")(_fake)
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _cuda, "CUDA")
 
 _lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
 _lib.impl("tree_rejection_sample", _tree_rejection_sample_cpu, "CPU")

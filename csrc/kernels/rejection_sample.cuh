@@ -719,6 +719,20 @@ __device__ __forceinline__ void fill_race_noise(RsShared& sm, const RequestConte
   }
 }
 
+// The max of a lane group's chunk in a tile with logits below thr read as -inf (the per-entry
+// path of filtered rows; group-uniform).
+template <typename T>
+__device__ __forceinline__ float masked_chunk_max(const Segment<T, kRsLaneEntries> (&seg)[kRsLaneSegments],
+                                                  float thr) {
+  float lane_max = -INFINITY;
+#pragma unroll
+  for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+    for (int j = 0; j < kRsLaneEntries; ++j) lane_max = fmaxf(lane_max, sanitize_below(segment_value(seg[h], j), thr));
+  }
+  return group_max(lane_max);
+}
+
 // ------------------------------------------------------------------------- chunk sampling
 
 // Inverse CDF inside one chunk, held by a warp (lane l: entries lane_base = 256 c + 8 l .. + 7
@@ -1321,13 +1335,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
       // The chunk max (sanitized, filtered), its mass without the excluded draft, and with it.
       float m, mass, full;
       if (filtered) {
-        float lane_max = -INFINITY;
-#pragma unroll
-        for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-          for (int j = 0; j < kE; ++j) lane_max = fmaxf(lane_max, sanitize_below(segment_value(seg[h], j), thr));
-        }
-        m = group_max(lane_max);
+        m = masked_chunk_max(seg, thr);
         const float m_safe = m > -INFINITY ? m : 0.0f;
         float lane_mass = 0.0f, lane_excluded = 0.0f;
 #pragma unroll

@@ -460,13 +460,7 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
       for (int h = 0; h < kRsLaneSegments; ++h) seg[h] = stream.segment(stage, h);
       float m, mass;  // the chunk max (sanitized, filtered) and its mass
       if (filtered) {
-        float lane_max = -INFINITY;
-#pragma unroll
-        for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-          for (int j = 0; j < kE; ++j) lane_max = fmaxf(lane_max, sanitize_below(segment_value(seg[h], j), thr));
-        }
-        m = group_max(lane_max);
+        m = masked_chunk_max(seg, thr);
         const float m_safe = m > -INFINITY ? m : 0.0f;
         float lane_mass = 0.0f;
 #pragma unroll
