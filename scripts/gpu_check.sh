@@ -20,6 +20,12 @@
 #   PROFILE=1                                  (benchmarks/tune_cuda_plan.py: the CUDA plans' units
 #                                               per CTA swept on the bar shapes; then ncu sections
 #                                               of the chain / tree kernels, PROFILE_SHAPES)
+#   AB_BASE=.ab_base                           (an A/B of the CUDA kernels: a copy of another commit
+#                                               in that folder -- here: git archive REV | tar -x -C
+#                                               .ab_base, the folder in .git/info/exclude and in the
+#                                               device call's carry -- is built in /tmp next to this
+#                                               tree's build, then tune_cuda_plan.py times AB_SHAPES
+#                                               on both, same call, same card)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +40,15 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/env.txt"
 
 start=$(date +%s)
+if [ -n "${AB_BASE:-}" ]; then  # the base tree builds in the background, next to this one
+  rm -rf /tmp/ab_base && cp -r "$AB_BASE" /tmp/ab_base &&
+    (cd /tmp/ab_base && SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 setup.py build_ext --inplace >"$OUT/build_ab_base.log" 2>&1) &
+fi
 if ! SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
   echo "pip install failed; trying setup.py build_ext --inplace" | tee -a "$OUT/build.log"
   SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 fi
+wait
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available_backends())" 2>&1 | tee -a "$OUT/env.txt"
 
@@ -95,6 +106,18 @@ if [ "${PROFILE:-0}" = "1" ]; then
       python3 benchmarks/tune_cuda_plan.py --profile-one "$shape" >>"$OUT/run.log" 2>&1 || echo "ncu $shape failed: $?" >>"$OUT/run.log"
   done
   echo "ncu: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ -n "${AB_BASE:-}" ]; then
+  start=$(date +%s)
+  root=$(pwd)
+  for side in base this; do
+    dir=$root; [ $side = base ] && dir=/tmp/ab_base
+    (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 "$root/benchmarks/tune_cuda_plan.py" --out "$OUT/ab_$side" \
+      --units-per-slot 2 --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
+      2>&1 | sed "s/^/$side: /" | tee -a "$OUT/run.log" | tail -8)
+  done
+  echo "a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 [ "${BENCH:-core}" = "0" ] && exit 0
