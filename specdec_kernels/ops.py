@@ -105,9 +105,8 @@ if hasattr(torch.ops.specdec, "_tree_rejection_sample_cuda_filtered"):
     @torch.library.register_fake("specdec::_tree_rejection_sample_cuda_filtered")
     def _tree_rejection_sample_cuda_filtered_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                                   temperature, seeds, offsets, max_depth, row_thresholds):
-        batch = cu_num_nodes.shape[0] - 1
-        out = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
-        return out, torch.empty_like(out), target_logits.new_empty((batch,), dtype=torch.int32)
+        return _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+                                           seeds, offsets, max_depth)
 
 
 def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,

@@ -835,12 +835,12 @@ def _row_thresholds_for_cuda(target_logits: torch.Tensor, cu: torch.Tensor, temp
     """The threshold pass for the CUDA kernels (views of the Triton kernels' cached workspace,
     valid until their next launch)."""
     from .ops import inner_contiguous
-    from .triton_rejection_sample import GROUP, NUM_WARPS, _target_programs, _workspace
+    from .triton_rejection_sample import GROUP, NUM_WARPS, _row_split, _workspace
     from .triton_tree_rejection_sample import CU_BLOCK
     rows, vocab = target_logits.shape
     num_chunks = triton.cdiv(max(vocab, 1), SAMPLE_CHUNK)
     num_groups = triton.cdiv(num_chunks, GROUP)
-    num_splits = max(1, min(triton.cdiv(_target_programs(target_logits.device), max(rows, 1)), num_groups))
+    num_splits, _ = _row_split(target_logits.device, rows, num_groups)  # the verification kernel's
     n_f32, n_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks)
     f32, i32, _ = _workspace(target_logits.device, n_f32, n_i32, 1)
     filters = [None if f is None else inner_contiguous(f) for f in (top_k, top_p, min_p)]

@@ -697,6 +697,16 @@ def _target_programs(device: torch.device) -> int:
     return 8  # interpreter: a few splits so the combine paths are exercised
 
 
+def _row_split(device: torch.device, rows: int, num_groups: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(splits per row, tiles per split) for ``rows`` rows of ``num_groups`` tiles: enough
+    programs to fill the GPU (_target_programs), or ``num_splits`` when given, at most one split
+    per tile, then as many splits as the tiles per split need."""
+    if num_splits is None:
+        num_splits = triton.cdiv(_target_programs(device), max(rows, 1))
+    groups_per_split = triton.cdiv(num_groups, max(1, min(num_splits, num_groups)))
+    return triton.cdiv(num_groups, groups_per_split), groups_per_split
+
+
 def rejection_sample_triton(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -728,15 +738,10 @@ def rejection_sample_triton(
         return out_tokens, num_accepted
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_groups = triton.cdiv(num_chunks, GROUP)
-    if num_splits is None:
-        num_splits = triton.cdiv(_target_programs(device), max(R, 1))
-    num_splits = max(1, min(num_splits, num_groups))
-    groups_per_split = triton.cdiv(num_groups, num_splits)
-    num_splits = triton.cdiv(num_groups, groups_per_split)
+    num_splits, groups_per_split = _row_split(device, R, num_groups, num_splits)
     has_draft_probs = draft_probs is not None
     # The residual reads one row per request: split it so the phase keeps the GPU busy too.
-    residual_groups_per_split = triton.cdiv(num_groups, max(1, min(num_groups, triton.cdiv(_target_programs(device), B))))
-    residual_splits = triton.cdiv(num_groups, residual_groups_per_split)
+    residual_splits, residual_groups_per_split = _row_split(device, B, num_groups)
     # Block verification with draft probabilities needs every draft row's residual.
     residual_rows = max(L, 1) if method == "block" else 1
     units_phase1 = B * (L + 1) * num_splits

@@ -32,10 +32,10 @@ from .triton_rejection_sample import (
     _open_uniform,
     _philox_words,
     _race_winner,
+    _row_split,
     _row_table,
     _sanitize,
     _stream_tile,
-    _target_programs,
     _uniform,
     _workspace,
 )
@@ -465,11 +465,7 @@ def tree_rejection_sample_triton(
         return out_tokens, out_nodes, num_accepted
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_groups = triton.cdiv(num_chunks, GROUP)
-    if num_splits is None:
-        num_splits = triton.cdiv(_target_programs(device), max(N, 1))
-    num_splits = max(1, min(num_splits, num_groups))
-    groups_per_split = triton.cdiv(num_groups, num_splits)
-    num_splits = triton.cdiv(num_groups, groups_per_split)
+    num_splits, groups_per_split = _row_split(device, N, num_groups, num_splits)
     units_phase1 = N * num_splits
     n_table = N * num_chunks
     n_f32 = 2 * units_phase1 + 2 * n_table + B * num_chunks
