@@ -1354,73 +1354,73 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
         mass = group_sum(lane_mass);
         full = mass + group_sum(lane_excluded);
       } else {
-      float lane_max = -INFINITY;
+        float lane_max = -INFINITY;
 #pragma unroll
-      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(seg[h]));
-      m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
-      // exp2((l - m) k) as one FMA, exp2(l k - m k), while m k is small: its float rounding
-      // (|m k| 2^-24, one factor for the whole chunk, but a different one per chunk) stays
-      // below 2^-16, as accurate as (l - m) k. Larger |m k| (tiny temperatures: T = 1e-6 makes
-      // m k ~ 1e7, rounded by up to 0.5, a factor of up to 1.41 between chunks) use the exact
-      // form. A chunk without a valid logit gets weights 0 from m = 0 (-inf entries; NaNs are
-      // fixed below).
-      const float mk = (m > -INFINITY ? m : 0.0f) * k;
-      const bool fma_exact = fabsf(mk) <= 256.0f;  // uniform over the lane group
-      const auto weight = [=](float v) { return exp2f(fma_exact ? fmaf(v, k, -mk) : (v - m) * k); };
-      float mass0 = 0.0f, mass1 = 0.0f;
-      if (fma_exact) {
+        for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(seg[h]));
+        m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
+        // exp2((l - m) k) as one FMA, exp2(l k - m k), while m k is small: its float rounding
+        // (|m k| 2^-24, one factor for the whole chunk, but a different one per chunk) stays
+        // below 2^-16, as accurate as (l - m) k. Larger |m k| (tiny temperatures: T = 1e-6 makes
+        // m k ~ 1e7, rounded by up to 0.5, a factor of up to 1.41 between chunks) use the exact
+        // form. A chunk without a valid logit gets weights 0 from m = 0 (-inf entries; NaNs are
+        // fixed below).
+        const float mk = (m > -INFINITY ? m : 0.0f) * k;
+        const bool fma_exact = fabsf(mk) <= 256.0f;  // uniform over the lane group
+        const auto weight = [=](float v) { return exp2f(fma_exact ? fmaf(v, k, -mk) : (v - m) * k); };
+        float mass0 = 0.0f, mass1 = 0.0f;
+        if (fma_exact) {
 #pragma unroll
-        for (int h = 0; h < kRsLaneSegments; ++h) {
+          for (int h = 0; h < kRsLaneSegments; ++h) {
 #pragma unroll
-          for (int j = 0; j < kE; j += 2) {
-            mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
-            mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
+            for (int j = 0; j < kE; j += 2) {
+              mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
+              mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+            for (int j = 0; j < kE; j += 2) {
+              mass0 += exp2f((segment_value(seg[h], j) - m) * k);
+              mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
+            }
           }
         }
-      } else {
+        mass = mass0 + mass1;
+        // This lane's weights of segment h as the sample uses them, recomputed from the tile:
+        // NaN logits (weight NaN) -> 0, +inf logits (weight inf) -> 1, the excluded draft -> 0.
+        const auto segment_weights = [=](int h, float(&w)[kE]) {
+          const Seg sg = *TileStream<T, kStages, 0>::slot(stage, h);
 #pragma unroll
-        for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-          for (int j = 0; j < kE; j += 2) {
-            mass0 += exp2f((segment_value(seg[h], j) - m) * k);
-            mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
+          for (int j = 0; j < kE; ++j) {
+            const float x = weight(segment_value(sg, j));
+            w[j] = (is_nan(x) || entry_index(chunk, h, j) == excluded) ? 0.0f : fminf(x, 1.0f);
           }
-        }
-      }
-      mass = mass0 + mass1;
-      // This lane's weights of segment h as the sample uses them, recomputed from the tile:
-      // NaN logits (weight NaN) -> 0, +inf logits (weight inf) -> 1, the excluded draft -> 0.
-      const auto segment_weights = [=](int h, float(&w)[kE]) {
-        const Seg sg = *TileStream<T, kStages, 0>::slot(stage, h);
-#pragma unroll
-        for (int j = 0; j < kE; ++j) {
-          const float x = weight(segment_value(sg, j));
-          w[j] = (is_nan(x) || entry_index(chunk, h, j) == excluded) ? 0.0f : fminf(x, 1.0f);
-        }
-      };
-      // Each weight is about <= 1: a larger sum means a NaN or +inf logit in this lane. Rare,
-      // like the chunk holding a deterministic draft (its weight leaves the sample, not the
-      // softmax sum): recompute the lane's mass from the sanitized weights.
-      float excluded_w = 0.0f;
-      if (!(__float_as_uint(mass) <= __float_as_uint(2.0f * kRsLaneSegments * kE)) || chunk == excluded_chunk) {
-        mass = 0.0f;
+        };
+        // Each weight is about <= 1: a larger sum means a NaN or +inf logit in this lane. Rare,
+        // like the chunk holding a deterministic draft (its weight leaves the sample, not the
+        // softmax sum): recompute the lane's mass from the sanitized weights.
+        float excluded_w = 0.0f;
+        if (!(__float_as_uint(mass) <= __float_as_uint(2.0f * kRsLaneSegments * kE)) || chunk == excluded_chunk) {
+          mass = 0.0f;
 #pragma unroll 1
-        for (int h = 0; h < kRsLaneSegments; ++h) {
-          float w[kE];
-          segment_weights(h, w);
+          for (int h = 0; h < kRsLaneSegments; ++h) {
+            float w[kE];
+            segment_weights(h, w);
 #pragma unroll
-          for (int j = 0; j < kE; ++j) mass += w[j];
+            for (int j = 0; j < kE; ++j) mass += w[j];
+          }
+          const int jx = excluded - entry_index(chunk, 0, 0);
+          if (chunk == excluded_chunk && jx >= 0 && jx % (kRsChunkLanes * kE) < kE) {
+            // One element at a run-time position: a scalar shared-memory load.
+            const T* e = reinterpret_cast<const T*>(TileStream<T, kStages, 0>::slot(stage, jx / (kRsChunkLanes * kE)));
+            const float x = weight(shared_value(e + jx % kE));
+            excluded_w = is_nan(x) ? 0.0f : fminf(x, 1.0f);
+          }
         }
-        const int jx = excluded - entry_index(chunk, 0, 0);
-        if (chunk == excluded_chunk && jx >= 0 && jx % (kRsChunkLanes * kE) < kE) {
-          // One element at a run-time position: a scalar shared-memory load.
-          const T* e = reinterpret_cast<const T*>(TileStream<T, kStages, 0>::slot(stage, jx / (kRsChunkLanes * kE)));
-          const float x = weight(shared_value(e + jx % kE));
-          excluded_w = is_nan(x) ? 0.0f : fminf(x, 1.0f);
-        }
-      }
-      mass = group_sum(mass);
-      full = tile == excluded_tile ? mass + group_sum(excluded_w) : mass;
+        mass = group_sum(mass);
+        full = tile == excluded_tile ? mass + group_sum(excluded_w) : mass;
       }
       // The race relative to the running max (docs/ALGORITHM.md §3: shift by (m_c - M) k).
       const float new_max = fmaxf(run_max, m);

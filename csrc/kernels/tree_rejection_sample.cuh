@@ -473,52 +473,52 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
         }
         mass = group_sum(lane_mass);
       } else {
-      float lane_max = -INFINITY;
+        float lane_max = -INFINITY;
 #pragma unroll
-      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(seg[h]));
-      m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
-      // exp2((l - m) k) as one FMA, exp2(l k - m k), while m k is small: its float rounding
-      // (|m k| 2^-24, the same factor for the whole chunk) stays below 2^-16, as accurate as
-      // (l - m) k. Larger |m k| (large logits, tiny temperatures: T = 1e-6 makes m k ~ 1e7,
-      // rounded by up to 0.5) use the exact form. A chunk without a valid logit: m = 0, weights 0.
-      const float mk = (m > -INFINITY ? m : 0.0f) * k;
-      float mass0 = 0.0f, mass1 = 0.0f;
-      if (fabsf(mk) <= 256.0f) {  // uniform over the lane group
+        for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(seg[h]));
+        m = group_max(fminf(lane_max, FLT_MAX));  // the chunk max (sanitized)
+        // exp2((l - m) k) as one FMA, exp2(l k - m k), while m k is small: its float rounding
+        // (|m k| 2^-24, the same factor for the whole chunk) stays below 2^-16, as accurate as
+        // (l - m) k. Larger |m k| (large logits, tiny temperatures: T = 1e-6 makes m k ~ 1e7,
+        // rounded by up to 0.5) use the exact form. A chunk without a valid logit: m = 0, weights 0.
+        const float mk = (m > -INFINITY ? m : 0.0f) * k;
+        float mass0 = 0.0f, mass1 = 0.0f;
+        if (fabsf(mk) <= 256.0f) {  // uniform over the lane group
 #pragma unroll
-        for (int h = 0; h < kRsLaneSegments; ++h) {
+          for (int h = 0; h < kRsLaneSegments; ++h) {
 #pragma unroll
-          for (int j = 0; j < kE; j += 2) {
-            mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
-            mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
+            for (int j = 0; j < kE; j += 2) {
+              mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
+              mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+            for (int j = 0; j < kE; j += 2) {
+              mass0 += exp2f((segment_value(seg[h], j) - m) * k);
+              mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
+            }
           }
         }
-      } else {
-#pragma unroll
-        for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-          for (int j = 0; j < kE; j += 2) {
-            mass0 += exp2f((segment_value(seg[h], j) - m) * k);
-            mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
-          }
-        }
-      }
-      mass = mass0 + mass1;
-      // Each weight is about <= 1, so a larger (or NaN) sum means a NaN or +inf logit in this
-      // lane. Rare: recompute the lane's weights as the Triton kernel does,
-      // exp2((sanitize(l) - m) k), with NaN -> 0 and +inf -> FLT_MAX.
-      if (!(mass <= 2.0f * kRsLaneSegments * kE)) {
-        mass = 0.0f;
+        mass = mass0 + mass1;
+        // Each weight is about <= 1, so a larger (or NaN) sum means a NaN or +inf logit in this
+        // lane. Rare: recompute the lane's weights as the Triton kernel does,
+        // exp2((sanitize(l) - m) k), with NaN -> 0 and +inf -> FLT_MAX.
+        if (!(mass <= 2.0f * kRsLaneSegments * kE)) {
+          mass = 0.0f;
 #pragma unroll 1
-        for (int h = 0; h < kRsLaneSegments; ++h) {
-          const Seg sg = stream.segment(stage, h);
+          for (int h = 0; h < kRsLaneSegments; ++h) {
+            const Seg sg = stream.segment(stage, h);
 #pragma unroll
-          for (int j = 0; j < kE; ++j) {
-            const float x = sanitize(segment_value(sg, j));
-            mass += x > -INFINITY ? exp2f((x - m) * k) : 0.0f;
+            for (int j = 0; j < kE; ++j) {
+              const float x = sanitize(segment_value(sg, j));
+              mass += x > -INFINITY ? exp2f((x - m) * k) : 0.0f;
+            }
           }
         }
-      }
-      mass = group_sum(mass);
+        mass = group_sum(mass);
       }
       if (gl == 0 && chunk < p.plan.num_chunks) __stcg(table + chunk, make_float2(m, mass));
       if (m > run_max) {
