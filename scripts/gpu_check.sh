@@ -3,6 +3,8 @@
 # GPU, run the benchmark. Results go to $OUT (the device tool's folder) or ./gpu_out.
 #   bash scripts/gpu_check.sh [core|full]      (benchmark sweep, default core)
 #   TESTS=python_tests/test_backends.py ...    (a subset of the tests)
+#   PYTEST_K='cuda and not agree'             (pytest -k expression; PYTEST_ARGS: other flags, split on spaces)
+#   SPECDEC_CXX=... SPECDEC_CC=...             (the host compilers; default the system's /usr/bin ones)
 #   SANITIZE=1 ...                             (also compute-sanitizer memcheck on a subset)
 #   TESTS=none / BENCH=0                       (skip the tests / the kernel benchmark)
 #   VERIFY_SHARE=1                             (also benchmarks/bench_verify_share.py: the op's
@@ -29,6 +31,11 @@
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The GPU machine sets CXX=/opt/gcc/bin/g++, whose links leave libstdc++ out of the extension's
+# needed libraries and put a copy of its stream code inside: every C++ error message that
+# formats a number then segfaults (docs/ROBUSTNESS.md). Build with the system compiler.
+export CXX=${SPECDEC_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-g++}" )}
+export CC=${SPECDEC_CC:-$( [ -x /usr/bin/gcc ] && echo /usr/bin/gcc || echo "${CC:-gcc}" )}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 SWEEP=${1:-core}
@@ -37,6 +44,7 @@ export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nvcc --version | tail -2
+  echo "host compilers: CC=$CC CXX=$CXX"
 } 2>&1 | tee "$OUT/env.txt"
 
 start=$(date +%s)
@@ -54,7 +62,7 @@ python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available
 
 if [ "${TESTS:-}" != "none" ]; then
   start=$(date +%s)
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rfE --timeout=180 ${TESTS:-python_tests} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rfE --timeout=180 ${TESTS:-python_tests} ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
   echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
