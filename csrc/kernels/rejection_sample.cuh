@@ -1215,6 +1215,14 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int row_unit = unit / p.plan.num_splits;
   const int b = row_unit / width;
   const int t = row_unit % width;
+  // Sampling filters: the row's threshold and kept-set mark, loaded before and alongside the
+  // request's fields (neither depends on them; slot < B (K + 1) for every unit).
+  const int64_t slot = static_cast<int64_t>(b) * width + t;
+  float row_thr = -INFINITY, row_kept = 0.0f;
+  if constexpr (kFiltered) {
+    row_thr = p.row_thresholds[slot];
+    if (p.kept_sum != nullptr) row_kept = p.kept_sum[slot];
+  }
   const RequestContext rq = load_request(p, b);
   if (t > rq.n) return;
 
@@ -1225,11 +1233,10 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int tile_lo = split * p.plan.tiles_per_split;
   const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
   const float k = rq.k;
-  // Sampling filters: the row's threshold (-inf: unfiltered; greedy rows ignore the filters).
-  const int64_t slot = static_cast<int64_t>(b) * width + t;
-  const float thr = (kFiltered && !rq.greedy) ? p.row_thresholds[slot] : -INFINITY;
-  // A filtered row whose kept set the threshold pass held: no stream (CTA-uniform).
-  const bool kept_row = kFiltered && thr > -INFINITY && p.kept_sum != nullptr && p.kept_sum[slot] > 0.0f;
+  // The threshold (-inf: unfiltered; greedy rows ignore the filters), and whether the pass held
+  // the row's whole kept set (then no stream; CTA-uniform).
+  const float thr = rq.greedy ? -INFINITY : row_thr;
+  const bool kept_row = thr > -INFINITY && row_kept > 0.0f;
   const TileStream<T, kStages, 0> stream{row_ptr, limit, p.logits_vectorized, ElemBits<T>::kNegInf};
   const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
   if (!kept_row) issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
