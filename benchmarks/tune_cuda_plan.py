@@ -47,7 +47,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--units-per-slot", default="1,2,3,4,6,8")
+    ap.add_argument("--units-per-slot", default="1,2,3,4,6,8",
+                    help="comma list of SPECDEC_CUDA_UNITS_PER_SLOT values; 'default': the knob unset")
     ap.add_argument("--shapes", default="chain,1,bf16,none;chain,8,bf16,none;chain,32,bf16,none;"
                     "chain,128,bf16,none;chain,32,fp32,fp32;chain,128,fp32,fp32;tree,1,bf16,none;tree,32,bf16,none")
     ap.add_argument("--profile-one", default=None,
@@ -66,9 +67,12 @@ def main():
         rows = []
         for ups in args.units_per_slot.split(","):
             with tempfile.TemporaryDirectory() as tmp:
+                env = dict(os.environ, SPECDEC_CUDA_UNITS_PER_SLOT=ups)
+                if ups == "default":  # the plan as shipped (its one-wave rule included)
+                    env.pop("SPECDEC_CUDA_UNITS_PER_SLOT")
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--out", tmp,
                                 "--vocab", str(args.vocab), "--units-per-slot", ups, "--shapes", args.shapes],
-                               env=dict(os.environ, SPECDEC_CUDA_UNITS_PER_SLOT=ups), check=True)
+                               env=env, check=True)
                 with open(os.path.join(tmp, "tune_cuda_plan.csv"), newline="") as f:
                     rows += list(csv.DictReader(f))
         chain_bench.write_csv(os.path.join(args.out, "tune_cuda_plan.csv"), rows)
@@ -86,9 +90,9 @@ def main():
         fl = floor(op, batch, dtype, has_probs, args.vocab, bandwidth)
         us = chain_bench.time_graph(fns)
         rows.append(dict(info, op=op, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
-                         units_per_slot=int(ups), floor_us=round(fl, 2), graph_us=round(us, 2),
+                         units_per_slot=ups, floor_us=round(fl, 2), graph_us=round(us, 2),
                          graph_over_floor=round(us / fl, 3)))
-        print(f"{op:5s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>2s}: "
+        print(f"{op:5s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>7s}: "
               f"{us:8.1f} us  floor {fl:7.1f}  ({us / fl:5.2f}x)", flush=True)
         del fns
         torch.cuda.empty_cache()

@@ -155,7 +155,7 @@ class WorkspaceCache {
 // Tuning knob for benchmarks (docs/PERF.md): SPECDEC_CUDA_UNITS_PER_SLOT=n makes the plans aim for
 // n work units per resident CTA instead of the kernel's default. Read once per process (not on
 // every call's path); unset, empty or not an integer in [1, 64] = the default.
-inline int64_t units_per_slot(int64_t default_value) {
+inline int64_t units_per_slot_override() {
   static const int64_t override_value = [] {
     const char* env = std::getenv("SPECDEC_CUDA_UNITS_PER_SLOT");
     if (env == nullptr || *env == '\0') return int64_t{0};
@@ -163,7 +163,10 @@ inline int64_t units_per_slot(int64_t default_value) {
     const long v = std::strtol(env, &end, 10);
     return (end != nullptr && *end == '\0' && v >= 1 && v <= 64) ? int64_t{v} : int64_t{0};
   }();
-  return override_value > 0 ? override_value : default_value;
+  return override_value;
+}
+inline int64_t units_per_slot(int64_t default_value) {
+  return units_per_slot_override() > 0 ? units_per_slot_override() : default_value;
 }
 
 }  // namespace specdec::binding

@@ -122,7 +122,7 @@ if [ -n "${AB_BASE:-}" ]; then
   for side in base this; do
     dir=$root; [ $side = base ] && dir=/tmp/ab_base
     (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 "$root/benchmarks/tune_cuda_plan.py" --out "$OUT/ab_$side" \
-      --units-per-slot 2 --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
+      --units-per-slot ${AB_UNITS:-default} --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
       2>&1 | sed "s/^/$side: /" | tee -a "$OUT/run.log" | tail -8)
   done
   echo "a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -208,10 +208,18 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 
 // concurrent_ctas: CTAs the GPU runs at once (SMs x resident CTAs per SM). Rows are split so
 // that there are about units_per_slot units per resident CTA (at least one row per unit).
+// fit_one_wave (the default plan; off when a benchmark sets units_per_slot): without draft
+// probabilities, when those units overflow the resident CTAs but rows split at most twice as
+// coarsely fit in one wave, take that -- a short second wave costs a whole unit's time, and
+// each unit its fixed costs. E.g. B = 8, K = 4, V = 128256 on 132 SMs: 640 one-tile units in
+// two waves -> 320 two-tile units in one. With draft probabilities the same rule (phase-1
+// units only) was faster at B = 8-16 and slower at B = 24-32 on an H100, so it is off there
+// (docs/PERF.md, "One wave").
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
                                                  int64_t concurrent_ctas, RsMethod method = kRsMethodToken,
-                                                 int64_t units_per_slot = kRsUnitsPerSlot) {
+                                                 int64_t units_per_slot = kRsUnitsPerSlot,
+                                                 bool fit_one_wave = false) {
   RejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
@@ -220,7 +228,17 @@ inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_r
   plan.num_tiles = static_cast<int32_t>(num_tiles);
   rs_split_row(num_tiles, rs_ceil_div(target_units, num_rows < 1 ? 1 : num_rows), plan.num_splits,
                plan.tiles_per_split);
-  plan.units_phase1 = num_requests * (max_spec_len + 1) * plan.num_splits;
+  const int64_t row_slots = num_requests * (max_spec_len + 1);  // phase-1 units per split
+  if (fit_one_wave && !has_draft_probs && row_slots > 0 && row_slots * plan.num_splits > concurrent_ctas &&
+      concurrent_ctas >= row_slots) {
+    int32_t splits = 0, per_split = 0;
+    rs_split_row(num_tiles, concurrent_ctas / row_slots, splits, per_split);
+    if (row_slots * splits <= concurrent_ctas && per_split <= 2 * plan.tiles_per_split) {
+      plan.num_splits = splits;
+      plan.tiles_per_split = per_split;
+    }
+  }
+  plan.units_phase1 = row_slots * plan.num_splits;
   plan.units_total = plan.units_phase1;
   plan.residual_rows = 1;
   const bool block_residuals = has_draft_probs && method == kRsMethodBlock;
