@@ -27,7 +27,9 @@
 #                                               .ab_base, the folder in .git/info/exclude and in the
 #                                               device call's carry -- is built in /tmp next to this
 #                                               tree's build, then tune_cuda_plan.py times AB_SHAPES
-#                                               on both, same call, same card)
+#                                               on both, same call, same card;
+#                                               AB_UNITS=2: a units-per-slot override instead of
+#                                               the shipped plan)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
