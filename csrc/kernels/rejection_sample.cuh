@@ -751,6 +751,36 @@ __device__ __forceinline__ float masked_chunk_max(const Segment<T, kRsLaneEntrie
   return group_max(lane_max);
 }
 
+// A lane's share of its group's chunk mass over the lane's segments, sum of exp2((l - m) k):
+// as one FMA, exp2(l k - m k) with mk = m k, when fma_exact (|m k| small, see the callers), else
+// in the exact form. Two accumulators: two independent add chains. The unfiltered hot loop of
+// the chain and the tree kernels.
+template <typename T>
+__device__ __forceinline__ float lane_chunk_mass(const Segment<T, kRsLaneEntries> (&seg)[kRsLaneSegments], float m,
+                                                 float k, float mk, bool fma_exact) {
+  float mass0 = 0.0f, mass1 = 0.0f;
+  if (fma_exact) {
+#pragma unroll
+    for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+      for (int j = 0; j < kRsLaneEntries; j += 2) {
+        mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
+        mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < kRsLaneSegments; ++h) {
+#pragma unroll
+      for (int j = 0; j < kRsLaneEntries; j += 2) {
+        mass0 += exp2f((segment_value(seg[h], j) - m) * k);
+        mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
+      }
+    }
+  }
+  return mass0 + mass1;
+}
+
 // ------------------------------------------------------------------------- chunk sampling
 
 // Inverse CDF inside one chunk, held by a warp (lane l: entries lane_base = 256 c + 8 l .. + 7
@@ -1392,27 +1422,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
         const float mk = (m > -INFINITY ? m : 0.0f) * k;
         const bool fma_exact = fabsf(mk) <= 256.0f;  // uniform over the lane group
         const auto weight = [=](float v) { return exp2f(fma_exact ? fmaf(v, k, -mk) : (v - m) * k); };
-        float mass0 = 0.0f, mass1 = 0.0f;
-        if (fma_exact) {
-#pragma unroll
-          for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-            for (int j = 0; j < kE; j += 2) {
-              mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
-              mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
-            }
-          }
-        } else {
-#pragma unroll
-          for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-            for (int j = 0; j < kE; j += 2) {
-              mass0 += exp2f((segment_value(seg[h], j) - m) * k);
-              mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
-            }
-          }
-        }
-        mass = mass0 + mass1;
+        mass = lane_chunk_mass(seg, m, k, mk, fma_exact);
         // This lane's weights of segment h as the sample uses them, recomputed from the tile:
         // NaN logits (weight NaN) -> 0, +inf logits (weight inf) -> 1, the excluded draft -> 0.
         const auto segment_weights = [=](int h, float(&w)[kE]) {

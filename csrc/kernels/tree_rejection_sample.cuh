@@ -482,27 +482,7 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
         // (l - m) k. Larger |m k| (large logits, tiny temperatures: T = 1e-6 makes m k ~ 1e7,
         // rounded by up to 0.5) use the exact form. A chunk without a valid logit: m = 0, weights 0.
         const float mk = (m > -INFINITY ? m : 0.0f) * k;
-        float mass0 = 0.0f, mass1 = 0.0f;
-        if (fabsf(mk) <= 256.0f) {  // uniform over the lane group
-#pragma unroll
-          for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-            for (int j = 0; j < kE; j += 2) {
-              mass0 += exp2f(fmaf(segment_value(seg[h], j), k, -mk));
-              mass1 += exp2f(fmaf(segment_value(seg[h], j + 1), k, -mk));
-            }
-          }
-        } else {
-#pragma unroll
-          for (int h = 0; h < kRsLaneSegments; ++h) {
-#pragma unroll
-            for (int j = 0; j < kE; j += 2) {
-              mass0 += exp2f((segment_value(seg[h], j) - m) * k);
-              mass1 += exp2f((segment_value(seg[h], j + 1) - m) * k);
-            }
-          }
-        }
-        mass = mass0 + mass1;
+        mass = lane_chunk_mass(seg, m, k, mk, fabsf(mk) <= 256.0f);  // the form is uniform over the lane group
         // Each weight is about <= 1, so a larger (or NaN) sum means a NaN or +inf logit in this
         // lane. Rare: recompute the lane's weights as the Triton kernel does,
         // exp2((sanitize(l) - m) k), with NaN -> 0 and +inf -> FLT_MAX.
