@@ -33,6 +33,15 @@ inline void check_device(const char* op, const char* name, const at::Tensor& t, 
   TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but target_logits is on ", device);
 }
 
+// A float32 vector the kernel indexes up to `entries` (the sampling filters' per-row inputs).
+inline void check_float_vector(const char* op, const char* name, const at::Tensor& t, int64_t entries,
+                               const at::Device& device) {
+  TORCH_CHECK(t.dim() == 1 && t.numel() == entries, op, ": ", name, " must be 1-D with ", entries, " entries, got ",
+              t.dim(), "-D with ", t.numel());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32");
+  check_device(op, name, t, device);
+}
+
 // Kernels need unit stride along the last dim (any row stride); 1-D inputs contiguous.
 inline at::Tensor inner_contiguous(const at::Tensor& t) {
   return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();

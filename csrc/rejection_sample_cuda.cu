@@ -228,11 +228,7 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
   const int64_t filter_sizes[] = {slots, slots, slots, table, table};
   for (int i = 0; i < 5; ++i) {
     if (!filter_args[i]->has_value()) continue;
-    const at::Tensor& t = **filter_args[i];
-    TORCH_CHECK(t.dim() == 1 && t.numel() == filter_sizes[i], kOp, ": ", filter_names[i], " must be 1-D with ",
-                filter_sizes[i], " entries, got ", t.dim(), "-D with ", t.numel());
-    TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, ": ", filter_names[i], " must be float32");
-    check_device(filter_names[i], t, device);
+    binding::check_float_vector(kOp, filter_names[i], **filter_args[i], filter_sizes[i], device);
   }
 
   const c10::cuda::CUDAGuard guard(device);

@@ -178,6 +178,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_tree_rejection_sample(
 
   binding::check_optional_inputs(kOp, device, num_nodes, vocab, num_requests, draft_probs, temperature, seeds,
                                  offsets);
+  // Sampling filters: one threshold per node row (before any allocation, as the other checks).
+  if (row_thresholds.has_value()) {
+    binding::check_float_vector(kOp, "row_thresholds", *row_thresholds, target_logits.size(0), device);
+  }
 
   const c10::cuda::CUDAGuard guard(device);
   const auto int32_options = at::TensorOptions().dtype(at::kInt).device(device);
@@ -199,15 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_tree_rejection_sample(
                                                std::numeric_limits<int64_t>::max(), {num_requests},
                                                at::TensorOptions().dtype(at::kLong).device(device));
   if (offsets.has_value()) call.offsets = offsets->contiguous();
-  if (row_thresholds.has_value()) {
-    const at::Tensor& thr = *row_thresholds;
-    TORCH_CHECK(thr.dim() == 1 && thr.size(0) == target_logits.size(0), kOp,
-                ": row_thresholds must have shape [N] = [", target_logits.size(0), "], got ", thr.sizes());
-    TORCH_CHECK(thr.scalar_type() == at::kFloat, kOp, ": row_thresholds must be float32, got ", thr.scalar_type());
-    TORCH_CHECK(thr.device() == target_logits.device(), kOp, ": row_thresholds must be on ", target_logits.device(),
-                ", got ", thr.device());
-    call.row_thresholds = thr.contiguous();
-  }
+  if (row_thresholds.has_value()) call.row_thresholds = row_thresholds->contiguous();
   call.num_requests = num_requests;
   call.max_depth = max_depth;
 
