@@ -82,7 +82,8 @@ void launch(const Call& call) {
   const int64_t vocab = call.logits.size(1);
   const TreeRejectionSamplePlan plan = specdec::plan_tree_rejection_sample(
       num_nodes, call.num_requests, vocab, concurrent_ctas<T, P>(device.index()),
-      binding::units_per_slot(specdec::kRtUnitsPerSlot));
+      binding::units_per_slot(specdec::kRtUnitsPerSlot), kHasDraftProbs,
+      /*fit_one_wave=*/binding::units_per_slot_override() == 0);
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 

@@ -120,9 +120,13 @@ struct TreeRejectionSampleParams {
 // concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about
 // units_per_slot units per resident CTA (small batches spread the vocabulary over the GPU,
 // large ones get one unit per row).
+// fit_one_wave: as the chain plan's (plan_rejection_sample), without draft probabilities:
+// phase-1 units split at most twice as coarsely when that fits them and the finalizers in one
+// wave of resident CTAs.
 inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int64_t num_requests, int64_t vocab,
                                                           int64_t concurrent_ctas,
-                                                          int64_t units_per_slot = kRtUnitsPerSlot) {
+                                                          int64_t units_per_slot = kRtUnitsPerSlot,
+                                                          bool has_draft_probs = false, bool fit_one_wave = false) {
   TreeRejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
@@ -130,7 +134,16 @@ inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int
                                      num_nodes < 1 ? 1 : num_nodes);
   const int64_t cap = num_tiles < kRtMaxSplits ? num_tiles : kRtMaxSplits;
   const int64_t splits = wanted < 1 ? 1 : (wanted > cap ? cap : wanted);
-  const int64_t per_split = rs_ceil_div(num_tiles, splits);
+  int64_t per_split = rs_ceil_div(num_tiles, splits);
+  if (fit_one_wave && !has_draft_probs && num_nodes > 0 &&
+      num_nodes * rs_ceil_div(num_tiles, per_split) + num_requests > concurrent_ctas &&
+      concurrent_ctas - num_requests >= num_nodes) {
+    const int64_t one_wave = (concurrent_ctas - num_requests) / num_nodes;
+    const int64_t coarse = rs_ceil_div(num_tiles, one_wave < cap ? one_wave : cap);
+    if (coarse <= 2 * per_split && num_nodes * rs_ceil_div(num_tiles, coarse) + num_requests <= concurrent_ctas) {
+      per_split = coarse;
+    }
+  }
   plan.num_chunks = static_cast<int32_t>(num_chunks);
   plan.num_tiles = static_cast<int32_t>(num_tiles);
   plan.tiles_per_split = static_cast<int32_t>(per_split);
