@@ -285,7 +285,30 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
                               std::nullopt);
 }
 
+#ifdef SPECDEC_TRACE
+// The profiling build's timeline (csrc/kernels/rejection_sample.cuh, RS_TRACE): a copy of the
+// trace buffer of the current device as int64 [kRsTraceCtas, kRsTraceSlots], zeroed after
+// reading when `reset`. Synchronizes; benchmarks/trace_chain_timeline.py reads it.
+at::Tensor rejection_sample_trace(bool reset) {
+  constexpr size_t kBytes = sizeof(unsigned long long) * specdec::kRsTraceCtas * specdec::kRsTraceSlots;
+  at::Tensor out = at::empty({specdec::kRsTraceCtas, specdec::kRsTraceSlots}, at::kLong);
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(out.data_ptr(), specdec::rs_trace, kBytes));
+  if (reset) {
+    std::vector<unsigned long long> zeros(specdec::kRsTraceCtas * specdec::kRsTraceSlots, 0);
+    C10_CUDA_CHECK(cudaMemcpyToSymbol(specdec::rs_trace, zeros.data(), kBytes));
+  }
+  return out;
+}
+#endif
+
 }  // namespace
+
+#ifdef SPECDEC_TRACE
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("_rejection_sample_trace(bool reset) -> Tensor", &rejection_sample_trace);
+}
+#endif
 
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("rejection_sample", &rejection_sample_cuda);

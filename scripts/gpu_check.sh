@@ -30,6 +30,10 @@
 #                                               on both, same call, same card;
 #                                               AB_UNITS=2: a units-per-slot override instead of
 #                                               the shipped plan)
+#   TRACE=1                                    (benchmarks/trace_chain_timeline.py: a copy of this
+#                                               tree built with -DSPECDEC_TRACE in /tmp/trace, next
+#                                               to the main build; per-CTA timelines of the CUDA
+#                                               chain kernel on TRACE_SHAPES, TRACE_ARGS)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +57,12 @@ start=$(date +%s)
 if [ -n "${AB_BASE:-}" ]; then  # the base tree builds in the background, next to this one
   rm -rf /tmp/ab_base && cp -r "$AB_BASE" /tmp/ab_base &&
     (cd /tmp/ab_base && SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 setup.py build_ext --inplace >"$OUT/build_ab_base.log" 2>&1) &
+fi
+if [ "${TRACE:-0}" = "1" ]; then  # the profiling build, in the background too
+  rm -rf /tmp/trace && mkdir -p /tmp/trace && cp -r setup.py pyproject.toml csrc specdec_kernels benchmarks /tmp/trace/ &&
+    rm -f /tmp/trace/specdec_kernels/_C*.so &&
+    (cd /tmp/trace && SPECDEC_NVCC_FLAGS="-DSPECDEC_TRACE ${SPECDEC_NVCC_FLAGS:-}" SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} \
+      python3 setup.py build_ext --inplace >"$OUT/build_trace.log" 2>&1) &
 fi
 if ! SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
   echo "pip install failed; trying setup.py build_ext --inplace" | tee -a "$OUT/build.log"
@@ -128,6 +138,13 @@ if [ -n "${AB_BASE:-}" ]; then
       2>&1 | sed "s/^/$side: /" | tee -a "$OUT/run.log" | tail -8)
   done
   echo "a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${TRACE:-0}" = "1" ]; then
+  start=$(date +%s)
+  (cd /tmp/trace && PYTHONPATH=/tmp/trace timeout 200 python3 benchmarks/trace_chain_timeline.py \
+    --out "$OUT/trace_chain_timeline" ${TRACE_SHAPES:+--shapes "$TRACE_SHAPES"} ${TRACE_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -20)
+  echo "trace: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 [ "${BENCH:-core}" = "0" ] && exit 0

@@ -67,6 +67,53 @@
 
 namespace specdec {
 
+// Timeline trace (a profiling build only: SPECDEC_NVCC_FLAGS=-DSPECDEC_TRACE; read by
+// torch.ops.specdec._rejection_sample_trace, benchmarks/trace_chain_timeline.py). Thread 0 of
+// CTA i writes %globaltimer (ns) at the marks below into rs_trace[i][mark]; `dep` makes the mark
+// wait for the value it depends on (a load's result, a decision), so a mark is not taken before
+// the step it closes has finished. Slot 7 holds the unit's %smid.
+constexpr int kRsTraceCtas = 8192;
+constexpr int kRsTraceSlots = 8;
+enum RsTraceMark : int {
+  kRsTraceEntry = 0,     // first instruction of the CTA
+  kRsTraceRequest = 1,   // the request's fields loaded
+  kRsTraceWaited = 2,    // phase 2: the request's phase 1 is complete; phase 1: every thread streamed
+  kRsTraceStreamed = 3,  // thread 0's share of the stream processed
+  kRsTraceCombined = 4,  // the unit's record values known (combine + in-chunk sample)
+  kRsTraceCounted = 5,   // record released and counted: the unit knows whether it finalizes
+  kRsTraceFinalized = 6, // the finalizer wrote the outputs
+  kRsTraceSm = 7,
+};
+#ifdef SPECDEC_TRACE
+__device__ unsigned long long rs_trace[kRsTraceCtas * kRsTraceSlots];
+__device__ __forceinline__ void rs_trace_mark(int mark, uint32_t dep) {
+  // dep == 0x7fc0dead never happens in practice; the test keeps the timer read after dep.
+  if (threadIdx.x == 0 && blockIdx.x < kRsTraceCtas && dep != 0x7fc0deadu) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    rs_trace[blockIdx.x * kRsTraceSlots + mark] = t;
+    if (mark == kRsTraceEntry) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      rs_trace[blockIdx.x * kRsTraceSlots + kRsTraceSm] = smid;
+    }
+  }
+}
+// The unit a CTA runs (with draft probabilities a ticket, not blockIdx.x) in slot 7's high
+// word, and bit 31 set for a phase-2 unit.
+__device__ __forceinline__ void rs_trace_unit(int unit, bool phase2) {
+  if (threadIdx.x == 0 && blockIdx.x < kRsTraceCtas) {
+    rs_trace[blockIdx.x * kRsTraceSlots + kRsTraceSm] |=
+        (static_cast<unsigned long long>(unit) << 32) | (phase2 ? 0x80000000ull : 0ull);
+  }
+}
+#define RS_TRACE(mark, dep) ::specdec::rs_trace_mark(::specdec::mark, static_cast<uint32_t>(dep))
+#define RS_TRACE_UNIT(unit, phase2) ::specdec::rs_trace_unit(unit, phase2)
+#else
+#define RS_TRACE(mark, dep) ((void)0)
+#define RS_TRACE_UNIT(unit, phase2) ((void)0)
+#endif
+
 constexpr int kSampleChunk = 256;  // docs/ALGORITHM.md §3; sampling lanes are chunk indices
 constexpr int kRsThreads = 256;
 constexpr int kRsWarps = kRsThreads / 32;
@@ -1206,6 +1253,7 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
                                                    const RequestContext& rq, float m, float s, int argmax,
                                                    float score, int draft, int candidate) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
+  RS_TRACE(kRsTraceCombined, candidate + __float_as_uint(s) + __float_as_uint(score));
   if (threadIdx.x == 0) {
     float4* rec = reinterpret_cast<float4*>(p.split_records + static_cast<int64_t>(unit));
     __stcg(rec, make_float4(m, s, __int_as_float(argmax), score));
@@ -1213,6 +1261,7 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
     // Release the record, then count it; the last unit of the request finalizes it.
     __threadfence();
     const int done = atomicAdd(p.counters + b, 1);
+    RS_TRACE(kRsTraceCounted, done);
     const int last = done == (rq.n + 1) * p.plan.num_splits - 1;
     if (last) __threadfence();  // acquire the other units' records
     sm.is_last = last;
@@ -1243,6 +1292,7 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
                          star_ok ? p.vocab_size : 0, sm);
     }
     write_outputs(p, rq, b, t_star, token);
+    RS_TRACE(kRsTraceFinalized, token);
     if (threadIdx.x == 0) p.counters[b] = 0;
   }
 }
@@ -1272,6 +1322,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     if (p.kept_sum != nullptr) row_kept = p.kept_sum[slot];
   }
   const RequestContext rq = load_request(p, b);
+  RS_TRACE(kRsTraceRequest, rq.n + static_cast<uint32_t>(rq.seed) + __float_as_uint(rq.k));
   if (t > rq.n) return;
 
   const int64_t row = rq.cu_lo + b + t;
@@ -1363,6 +1414,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
         run_arg = first;
       }
     });
+    RS_TRACE(kRsTraceStreamed, __float_as_uint(run_max));
     const float wm = warp_max(run_max);
     const int arg = warp_min(run_max == wm ? run_arg : INT_MAX);
     if (lane == 0) {
@@ -1474,6 +1526,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
       }
       run_max = new_max;
     });
+    RS_TRACE(kRsTraceStreamed, __float_as_uint(run_sum));
     if (gl == 0) {
       sm.reduce_max[group] = run_max;
       sm.reduce_sum[group] = run_sum;
@@ -1536,6 +1589,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int split = r % p.plan.residual_splits;
   {
     const RequestContext rq = load_request(p, b);
+    RS_TRACE(kRsTraceRequest, rq.n + static_cast<uint32_t>(rq.seed) + __float_as_uint(rq.k));
     if (rq.greedy) return;  // finalized by its last phase-1 unit
     if (threadIdx.x == 0) sm.rq = rq;  // for the decision, rather than registers across it
   }
@@ -1551,6 +1605,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
       if (sleep_ns < 1024) sleep_ns *= 2;
     }
     __threadfence();
+    RS_TRACE(kRsTraceWaited, need);
   }
   __syncthreads();
   int t_star;             // the row this unit streams
@@ -1635,6 +1690,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
       race = take ? score : race;
       race_chunk = take ? chunk : race_chunk;
     });
+    RS_TRACE(kRsTraceStreamed, __float_as_uint(race));
     if (gl == 0) {
       sm.reduce_score[group] = race;
       sm.reduce_chunk[group] = race_chunk;
@@ -1672,6 +1728,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   if (threadIdx.x == 0) {
     __threadfence();
     const int done = atomicAdd(p.counters + p.num_requests + b, 1);
+    RS_TRACE(kRsTraceCounted, done);
     const int last = done == units_per_request - 1;
     if (last) __threadfence();
     sm.is_last = last;
@@ -1713,6 +1770,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     }
     __syncthreads();
     write_outputs(p, rq, b, t_star, sm.token);
+    RS_TRACE(kRsTraceFinalized, sm.token);
     if (threadIdx.x == 0) {
       p.counters[b] = 0;
       p.counters[p.num_requests + b] = 0;
@@ -1734,6 +1792,7 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     rejection_sample_kernel(const RejectionSampleParams p) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
   __shared__ rs_detail::RsShared sm;
+  RS_TRACE(kRsTraceEntry, 0);
   int unit = static_cast<int>(blockIdx.x);
   if constexpr (kHasDraftProbs) {
     // Tickets in start order: phase-2 units only wait for units that already run.
@@ -1741,6 +1800,7 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     __syncthreads();
     unit = sm.unit;
   }
+  RS_TRACE_UNIT(unit, unit >= p.plan.units_phase1);
   if (unit < p.plan.units_phase1) {
     rs_detail::phase1_unit<T, P, kMethod, kFiltered>(p, sm, unit);
   } else {
