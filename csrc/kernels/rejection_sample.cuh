@@ -897,22 +897,47 @@ __device__ __forceinline__ int warp_sample_residual_chunk(const Segment<T, kRsLa
   return warp_inverse_cdf(w, u, lane_base);
 }
 
-// Combines the lane groups' race leads in sm.reduce_* (thread 0): the highest score after
-// shifting each by (its running max - m) k (kScaled), lowest chunk on ties; chunk -1: none.
+// The end of a unit: combining its parts (kRsGroups lane groups, or kRsWarps warps for greedy
+// rows) left in shared memory. One warp, lane c reading part c, every lane gets the result: a
+// thread-0 loop over 32 parts with dependent shared loads took ~3 us of a B = 1 call's ~9 (H100,
+// benchmarks/trace_chain_timeline.py). Sums are added in a butterfly order, so they may differ
+// from a serial sum in the last bit (the backends agree up to near-ties, as before).
+
+// The parts' max m and their sums rescaled to it: sum_c s_c exp2((m_c - m) k).
+__device__ __forceinline__ void warp_combine_max_sum(const float* part_max, const float* part_sum, int parts, float k,
+                                                     float& m, float& s) {
+  const int lane = threadIdx.x & 31;
+  const float mc = lane < parts ? part_max[lane] : -INFINITY;
+  m = warp_max(mc);
+  s = warp_sum(mc > -INFINITY ? part_sum[lane] * exp2f((mc - m) * k) : 0.0f);
+}
+
+// The parts' max m and the lowest index among the parts at m (INT_MAX: none).
+__device__ __forceinline__ void warp_combine_max_index(const float* part_max, const int* part_index, int parts,
+                                                       float& m, int& index) {
+  const int lane = threadIdx.x & 31;
+  const float mc = lane < parts ? part_max[lane] : -INFINITY;
+  m = warp_max(mc);
+  index = warp_min(mc > -INFINITY && mc == m ? part_index[lane] : INT_MAX);
+}
+
+// The lane groups' race leads in sm.reduce_*: the highest score after shifting each by (its
+// running max - m) k (kScaled), lowest chunk on ties; chunk -1: none.
 template <bool kScaled>
-__device__ __forceinline__ void combine_chunk_races(const RsShared& sm, float m, float k, float& score, int& chunk) {
-  score = -INFINITY;
-  chunk = INT_MAX;
-#pragma unroll
-  for (int c = 0; c < kRsGroups; ++c) {
-    if (sm.reduce_score[c] > -INFINITY) {
-      const float s = kScaled ? sm.reduce_score[c] + (sm.reduce_max[c] - m) * k : sm.reduce_score[c];
-      if (s > score || (s == score && sm.reduce_chunk[c] < chunk)) {
-        score = s;
-        chunk = sm.reduce_chunk[c];
-      }
-    }
+__device__ __forceinline__ void warp_combine_chunk_races(const RsShared& sm, float m, float k, float& score,
+                                                         int& chunk) {
+  static_assert(kRsGroups == 32, "one lane per lane group");
+  const int lane = threadIdx.x & 31;
+  score = sm.reduce_score[lane];
+  if (score > -INFINITY) {
+    if (kScaled) score += (sm.reduce_max[lane] - m) * k;
+    chunk = sm.reduce_chunk[lane];
+  } else {
+    score = -INFINITY;
+    chunk = INT_MAX;
   }
+  int unused = 0;
+  warp_race_winner(score, chunk, unused);
   if (score == -INFINITY) chunk = -1;
 }
 
@@ -1536,33 +1561,23 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   }
 
   __syncthreads();
-  // Combine the parts (warps for greedy rows, lane groups for random ones); a random row's
-  // winning chunk is sampled in by warp 0, reading it again.
+  RS_TRACE(kRsTraceWaited, 0);
+  // Combine the parts (warps for greedy rows, lane groups for random ones), warp 0; it samples
+  // in a random row's winning chunk, reading it again.
   float m = -INFINITY, s = 0.0f, score = -INFINITY;
-  int a = INT_MAX, chunk = -1;
-  if (threadIdx.x == 0) {
-    const int parts = rq.greedy ? kRsWarps : kRsGroups;
-    for (int c = 0; c < parts; ++c) m = fmaxf(m, sm.reduce_max[c]);
+  int a = INT_MAX, candidate = -1;
+  if (warp == 0) {
     if (rq.greedy) {
-#pragma unroll
-      for (int w = 0; w < kRsWarps; ++w) {
-        if (sm.reduce_max[w] > -INFINITY && sm.reduce_max[w] == m) a = min(a, sm.reduce_index[w]);
-      }
+      warp_combine_max_index(sm.reduce_max, sm.reduce_index, kRsWarps, m, a);
     } else {
-#pragma unroll
-      for (int c = 0; c < kRsGroups; ++c) {
-        if (sm.reduce_max[c] > -INFINITY) s += sm.reduce_sum[c] * exp2f((sm.reduce_max[c] - m) * k);
+      int chunk = -1;
+      warp_combine_max_sum(sm.reduce_max, sm.reduce_sum, kRsGroups, k, m, s);
+      warp_combine_chunk_races<true>(sm, m, k, score, chunk);
+      if (chunk >= 0) {
+        const int excluded = kHasDraftProbs ? -1 : draft;
+        candidate = warp_sample_chunk(stream.chunk_segment(chunk, tile_lo, tile_hi), chunk, k, excluded,
+                                      sm.noise[chunk - tile_lo * kRsTileChunks].x, thr);
       }
-      combine_chunk_races<true>(sm, m, k, score, chunk);
-    }
-  }
-  int candidate = -1;
-  if (!rq.greedy && warp == 0) {
-    chunk = __shfl_sync(kFullMask, chunk, 0);
-    if (chunk >= 0) {
-      const int excluded = kHasDraftProbs ? -1 : draft;
-      candidate = warp_sample_chunk(stream.chunk_segment(chunk, tile_lo, tile_hi), chunk, k, excluded,
-                                    sm.noise[chunk - tile_lo * kRsTileChunks].x, thr);
     }
   }
   finish_phase1_unit<T, P, kMethod>(p, sm, unit, b, rq, m, s, (rq.greedy && m > -INFINITY) ? a : -1, score, draft,
@@ -1700,8 +1715,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     if (warp == 0) {
       float score = -INFINITY;
       int chunk = -1;
-      if (threadIdx.x == 0) combine_chunk_races<false>(sm, 0.0f, k, score, chunk);
-      chunk = __shfl_sync(kFullMask, chunk, 0);
+      warp_combine_chunk_races<false>(sm, 0.0f, k, score, chunk);
       int candidate = -1;
       if (chunk >= 0) {
         candidate = warp_sample_residual_chunk(logits.chunk_segment(chunk, tile_lo, tile_hi),
@@ -1710,12 +1724,10 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
       }
       if (threadIdx.x == 0) {
         __stcg(reinterpret_cast<float2*>(p.residual_records + slot), make_float2(score, __int_as_float(candidate)));
-        if constexpr (kBlock) {
-          float split_mass = 0.0f;
-#pragma unroll
-          for (int g = 0; g < kRsGroups; ++g) split_mass += sm.reduce_sum[g];
-          __stcg(p.residual_masses + slot, split_mass);
-        }
+      }
+      if constexpr (kBlock) {
+        const float split_mass = warp_sum(sm.reduce_sum[lane]);  // lane g: group g
+        if (threadIdx.x == 0) __stcg(p.residual_masses + slot, split_mass);
       }
     }
   } else if (kBlock && residual_row < rq.n && threadIdx.x == 0) {

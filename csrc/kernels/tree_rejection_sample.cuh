@@ -527,26 +527,18 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {  // warp 0 combines the parts (rs_detail::warp_combine_*)
     float m = -INFINITY, s = 0.0f;
     int a = INT_MAX;
     if (rq.greedy) {
-#pragma unroll
-      for (int w = 0; w < kRsWarps; ++w) m = fmaxf(m, sm.reduce_max[w]);
-#pragma unroll
-      for (int w = 0; w < kRsWarps; ++w) {
-        if (sm.reduce_max[w] > -INFINITY && sm.reduce_max[w] == m) a = min(a, sm.reduce_index[w]);
-      }
+      warp_combine_max_index(sm.reduce_max, sm.reduce_index, kRsWarps, m, a);
     } else {
-#pragma unroll
-      for (int g = 0; g < kRsGroups; ++g) m = fmaxf(m, sm.reduce_max[g]);
-#pragma unroll
-      for (int g = 0; g < kRsGroups; ++g) {
-        if (sm.reduce_max[g] > -INFINITY) s += sm.reduce_sum[g] * exp2f((sm.reduce_max[g] - m) * k);
-      }
+      warp_combine_max_sum(sm.reduce_max, sm.reduce_sum, kRsGroups, k, m, s);
     }
-    __stcg(reinterpret_cast<float4*>(p.split_records + unit),
-           make_float4(m, s, __int_as_float((rq.greedy && m > -INFINITY && a != INT_MAX) ? a : -1), 0.0f));
+    if (threadIdx.x == 0) {
+      __stcg(reinterpret_cast<float4*>(p.split_records + unit),
+             make_float4(m, s, __int_as_float((rq.greedy && m > -INFINITY && a != INT_MAX) ? a : -1), 0.0f));
+    }
   }
   // Release this unit's table entries and records (every writer fences), then count the unit;
   // the last unit of the request finalizes it.
