@@ -1403,12 +1403,12 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     store_draft_operands();
     float score = -INFINITY;
     int candidate = -1;
+    const float kept_max = split == 0 ? p.kept_max[slot] : -INFINITY;  // one load; kept_sum is row_kept
     if (split == 0) {
-      kept_set_race(p, sm, rq, slot, t, row_ptr, limit, p.kept_max[slot], kHasDraftProbs ? -1 : draft, thr, score,
-                    candidate);
+      kept_set_race(p, sm, rq, slot, t, row_ptr, limit, kept_max, kHasDraftProbs ? -1 : draft, thr, score, candidate);
     }
-    finish_phase1_unit<T, P, kMethod>(p, sm, unit, b, rq, split == 0 ? p.kept_max[slot] : -INFINITY,
-                                      split == 0 ? p.kept_sum[slot] : 0.0f, -1, score, draft, candidate);
+    finish_phase1_unit<T, P, kMethod>(p, sm, unit, b, rq, kept_max, split == 0 ? row_kept : 0.0f, -1, score, draft,
+                                      candidate);
     return;
   }
 
