@@ -90,7 +90,7 @@ void launch(const Call& call) {
                                      filtered ? concurrent_ctas<T, P, kMethod, true>(device.index())
                                               : concurrent_ctas<T, P, kMethod, false>(device.index()),
                                      kMethod, binding::units_per_slot(specdec::kRsUnitsPerSlot),
-                                     /*fit_one_wave=*/binding::units_per_slot_override() == 0);
+                                     /*shipped_rules=*/binding::units_per_slot_override() == 0);
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 
