@@ -310,6 +310,27 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 }
 #endif
 
+// The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py pins its rules):
+// [num_splits, tiles_per_split, units_phase1, units_total, residual_splits,
+// residual_tiles_per_split]. units_per_slot 0: the shipped plan; > 0: that target, rules off
+// (what SPECDEC_CUDA_UNITS_PER_SLOT does).
+std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_requests, int64_t vocab, int64_t max_spec_len,
+                                           bool has_draft_probs, int64_t concurrent_ctas, int64_t block_method,
+                                           int64_t units_per_slot) {
+  const RejectionSamplePlan plan = specdec::plan_rejection_sample(
+      num_rows, num_requests, vocab, max_spec_len, has_draft_probs, concurrent_ctas,
+      block_method != 0 ? specdec::kRsMethodBlock : specdec::kRsMethodToken,
+      units_per_slot > 0 ? units_per_slot : specdec::kRsUnitsPerSlot, /*shipped_rules=*/units_per_slot <= 0);
+  return {plan.num_splits, plan.tiles_per_split, plan.units_phase1, plan.units_total, plan.residual_splits,
+          plan.residual_tiles_per_split};
+}
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("_rejection_sample_plan(int num_rows, int num_requests, int vocab, int max_spec_len, bool has_draft_probs, "
+        "int concurrent_ctas, int block_method, int units_per_slot) -> int[]",
+        &rejection_sample_plan);
+}
+
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("rejection_sample", &rejection_sample_cuda);
   m.impl("_rejection_sample_cuda_filtered", &run_rejection_sample);

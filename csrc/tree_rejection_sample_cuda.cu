@@ -231,7 +231,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
                                    offsets, max_depth, std::nullopt);
 }
 
+// The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py):
+// [num_splits, tiles_per_split, units_phase1, units_total]; units_per_slot 0: the shipped plan.
+std::vector<int64_t> tree_rejection_sample_plan(int64_t num_nodes, int64_t num_requests, int64_t vocab,
+                                                bool has_draft_probs, int64_t concurrent_ctas,
+                                                int64_t units_per_slot) {
+  const TreeRejectionSamplePlan plan = specdec::plan_tree_rejection_sample(
+      num_nodes, num_requests, vocab, concurrent_ctas, units_per_slot > 0 ? units_per_slot : specdec::kRtUnitsPerSlot,
+      has_draft_probs, /*fit_one_wave=*/units_per_slot <= 0);
+  return {plan.num_splits, plan.tiles_per_split, plan.units_phase1, plan.units_total};
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("_tree_rejection_sample_plan(int num_nodes, int num_requests, int vocab, bool has_draft_probs, "
+        "int concurrent_ctas, int units_per_slot) -> int[]",
+        &tree_rejection_sample_plan);
+}
 
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("tree_rejection_sample", &tree_rejection_sample_cuda);
