@@ -162,8 +162,9 @@ class WorkspaceCache {
 };
 
 // Tuning knob for benchmarks (docs/PERF.md): SPECDEC_CUDA_UNITS_PER_SLOT=n makes the plans aim for
-// n work units per resident CTA instead of the kernel's default. Read once per process (not on
-// every call's path); unset, empty or not an integer in [1, 64] = the default.
+// n work units per resident CTA instead of the kernels' own rules (passed to the plan functions as
+// units_per_slot_override). Read once per process (not on every call's path); unset, empty or not
+// an integer in [1, 64] = 0, the shipped plan.
 inline int64_t units_per_slot_override() {
   static const int64_t override_value = [] {
     const char* env = std::getenv("SPECDEC_CUDA_UNITS_PER_SLOT");
@@ -173,9 +174,6 @@ inline int64_t units_per_slot_override() {
     return (end != nullptr && *end == '\0' && v >= 1 && v <= 64) ? int64_t{v} : int64_t{0};
   }();
   return override_value;
-}
-inline int64_t units_per_slot(int64_t default_value) {
-  return units_per_slot_override() > 0 ? units_per_slot_override() : default_value;
 }
 
 }  // namespace specdec::binding

@@ -89,8 +89,7 @@ void launch(const Call& call) {
       specdec::plan_rejection_sample(num_rows, call.num_requests, vocab, call.max_spec_len, kHasDraftProbs,
                                      filtered ? concurrent_ctas<T, P, kMethod, true>(device.index())
                                               : concurrent_ctas<T, P, kMethod, false>(device.index()),
-                                     kMethod, binding::units_per_slot(specdec::kRsUnitsPerSlot),
-                                     /*shipped_rules=*/binding::units_per_slot_override() == 0);
+                                     kMethod, binding::units_per_slot_override());
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 
@@ -319,8 +318,7 @@ std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_request
                                            int64_t units_per_slot) {
   const RejectionSamplePlan plan = specdec::plan_rejection_sample(
       num_rows, num_requests, vocab, max_spec_len, has_draft_probs, concurrent_ctas,
-      block_method != 0 ? specdec::kRsMethodBlock : specdec::kRsMethodToken,
-      units_per_slot > 0 ? units_per_slot : specdec::kRsUnitsPerSlot, /*shipped_rules=*/units_per_slot <= 0);
+      block_method != 0 ? specdec::kRsMethodBlock : specdec::kRsMethodToken, units_per_slot);
   return {plan.num_splits, plan.tiles_per_split, plan.units_phase1, plan.units_total, plan.residual_splits,
           plan.residual_tiles_per_split};
 }

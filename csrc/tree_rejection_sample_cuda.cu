@@ -82,8 +82,7 @@ void launch(const Call& call) {
   const int64_t vocab = call.logits.size(1);
   const TreeRejectionSamplePlan plan = specdec::plan_tree_rejection_sample(
       num_nodes, call.num_requests, vocab, concurrent_ctas<T, P>(device.index()),
-      binding::units_per_slot(specdec::kRtUnitsPerSlot), kHasDraftProbs,
-      /*fit_one_wave=*/binding::units_per_slot_override() == 0);
+      kHasDraftProbs, binding::units_per_slot_override());
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 
@@ -237,8 +236,7 @@ std::vector<int64_t> tree_rejection_sample_plan(int64_t num_nodes, int64_t num_r
                                                 bool has_draft_probs, int64_t concurrent_ctas,
                                                 int64_t units_per_slot) {
   const TreeRejectionSamplePlan plan = specdec::plan_tree_rejection_sample(
-      num_nodes, num_requests, vocab, concurrent_ctas, units_per_slot > 0 ? units_per_slot : specdec::kRtUnitsPerSlot,
-      has_draft_probs, /*fit_one_wave=*/units_per_slot <= 0);
+      num_nodes, num_requests, vocab, concurrent_ctas, has_draft_probs, units_per_slot);
   return {plan.num_splits, plan.tiles_per_split, plan.units_phase1, plan.units_total};
 }
 

@@ -257,14 +257,15 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 }
 
 // concurrent_ctas: CTAs the GPU runs at once (SMs x resident CTAs per SM). Rows are split so
-// that there are about units_per_slot units per resident CTA (at least one row per unit).
-// shipped_rules (the default plan; off when a benchmark sets units_per_slot):
+// that there are about kRsUnitsPerSlot units per resident CTA (at least one row per unit).
+// units_per_slot_override > 0 (benchmarks: SPECDEC_CUDA_UNITS_PER_SLOT) aims at that many
+// instead and turns off the shipped rules; 0, the shipped plan:
 // - Large batches (num_rows >= concurrent_ctas) aim at kRsUnitsPerSlotLarge units per resident
 //   CTA: the last wave's tail is one unit long, and since units combine their parts with a warp
 //   (not thread 0) smaller units cost less than that tail. H100, bf16, no draft, units per slot
 //   2 -> 4 (tune_cuda_plan.py): B = 128 68.5 -> 66.7 us, B = 256 127.0 -> 122.8, fp32 + fp32
 //   draft B = 128 170.5 -> 169.0; B = 64 (320 rows, the rule off) would lose 39.9 -> 40.5.
-// - Small batches, fit_one_wave: without draft
+// - Small batches, one wave: without draft
 // probabilities, when those units overflow the resident CTAs but rows split at most twice as
 // coarsely fit in one wave, take that -- a short second wave costs a whole unit's time, and
 // each unit its fixed costs. E.g. B = 8, K = 4, V = 128256 on 132 SMs: 640 one-tile units in
@@ -274,20 +275,20 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
                                                  int64_t concurrent_ctas, RsMethod method = kRsMethodToken,
-                                                 int64_t units_per_slot = kRsUnitsPerSlot,
-                                                 bool shipped_rules = false) {
-  if (shipped_rules && num_rows >= concurrent_ctas) units_per_slot = kRsUnitsPerSlotLarge;
-  const bool fit_one_wave = shipped_rules;
+                                                 int64_t units_per_slot_override = 0) {
+  const bool shipped_rules = units_per_slot_override <= 0;
+  const int64_t units_per_slot = !shipped_rules ? units_per_slot_override
+                                 : num_rows >= concurrent_ctas ? kRsUnitsPerSlotLarge : kRsUnitsPerSlot;
   RejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
-  const int64_t target_units = (units_per_slot < 1 ? 1 : units_per_slot) * concurrent_ctas;
+  const int64_t target_units = units_per_slot * concurrent_ctas;
   plan.num_chunks = static_cast<int32_t>(num_chunks);
   plan.num_tiles = static_cast<int32_t>(num_tiles);
   rs_split_row(num_tiles, rs_ceil_div(target_units, num_rows < 1 ? 1 : num_rows), plan.num_splits,
                plan.tiles_per_split);
   const int64_t row_slots = num_requests * (max_spec_len + 1);  // phase-1 units per split
-  if (fit_one_wave && !has_draft_probs && row_slots > 0 && row_slots * plan.num_splits > concurrent_ctas &&
+  if (shipped_rules && !has_draft_probs && row_slots > 0 && row_slots * plan.num_splits > concurrent_ctas &&
       concurrent_ctas >= row_slots) {
     int32_t splits = 0, per_split = 0;
     rs_split_row(num_tiles, concurrent_ctas / row_slots, splits, per_split);

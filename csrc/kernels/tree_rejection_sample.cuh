@@ -120,17 +120,20 @@ struct TreeRejectionSampleParams {
 // concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about
 // units_per_slot units per resident CTA (small batches spread the vocabulary over the GPU,
 // large ones get one unit per row).
-// fit_one_wave: as the chain plan's (plan_rejection_sample), without draft probabilities:
-// phase-1 units split at most twice as coarsely when that fits them and the finalizers in one
-// wave of resident CTAs.
+// units_per_slot_override > 0 (benchmarks) aims at that many instead of kRtUnitsPerSlot and
+// turns off the one-wave rule; 0, the shipped plan, whose one-wave rule is the chain plan's
+// (plan_rejection_sample): without draft probabilities, phase-1 units split at most twice as
+// coarsely when that fits them and the finalizers in one wave of resident CTAs.
 inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int64_t num_requests, int64_t vocab,
                                                           int64_t concurrent_ctas,
-                                                          int64_t units_per_slot = kRtUnitsPerSlot,
-                                                          bool has_draft_probs = false, bool fit_one_wave = false) {
+                                                          bool has_draft_probs,
+                                                          int64_t units_per_slot_override = 0) {
+  const bool fit_one_wave = units_per_slot_override <= 0;
+  const int64_t units_per_slot = fit_one_wave ? kRtUnitsPerSlot : units_per_slot_override;
   TreeRejectionSamplePlan plan{};
   const int64_t num_chunks = rs_ceil_div(vocab < 1 ? 1 : vocab, kSampleChunk);
   const int64_t num_tiles = rs_ceil_div(num_chunks, kRsTileChunks);
-  const int64_t wanted = rs_ceil_div((units_per_slot < 1 ? 1 : units_per_slot) * (concurrent_ctas < 1 ? 1 : concurrent_ctas),
+  const int64_t wanted = rs_ceil_div(units_per_slot * (concurrent_ctas < 1 ? 1 : concurrent_ctas),
                                      num_nodes < 1 ? 1 : num_nodes);
   const int64_t cap = num_tiles < kRtMaxSplits ? num_tiles : kRtMaxSplits;
   const int64_t splits = wanted < 1 ? 1 : (wanted > cap ? cap : wanted);
