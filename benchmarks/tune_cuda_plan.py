@@ -29,16 +29,39 @@ import bench_tree_rejection_sample as tree_bench  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def drop_last_draft(inp, k):
+    """The batch with its last request one draft short: a ragged batch of the same size (the
+    CUDA chain kernel guesses rows only for uniform batches, num_drafts == B * K)."""
+    batch = inp["cu_num_draft_tokens"].numel() - 1
+    draft = batch * k - 1  # the last request's last draft, and its target row
+    row = draft + batch - 1
+
+    def without(x, i):
+        return torch.cat([x[:i], x[i + 1:]])
+
+    out = dict(inp, target_logits=without(inp["target_logits"], row),
+               draft_token_ids=without(inp["draft_token_ids"], draft),
+               cu_num_draft_tokens=inp["cu_num_draft_tokens"].clone())
+    out["cu_num_draft_tokens"][-1] -= 1
+    if inp["draft_probs"] is not None:
+        out["draft_probs"] = without(inp["draft_probs"], draft)
+    return out
+
+
 def make(op, batch, dtype, probs, seed, vocab, backend="cuda"):
-    if op == "chain":
+    """op: chain (K = 4, every request with 4 drafts), ragged (the same, the last request with 3)
+    or tree (64-node trees)."""
+    if op in ("chain", "ragged"):
         inp = chain_bench.make_inputs(batch, 4, vocab, DTYPES[dtype], probs, seed)
+        if op == "ragged":
+            inp = drop_last_draft(inp, 4)
         return chain_bench.our_call(inp, 4, backend)
     inp = tree_bench.make_inputs(batch, tree_bench.TREES[64], vocab, DTYPES[dtype], probs, False, seed)
     return tree_bench.tree_call(inp, backend)
 
 
 def floor(op, batch, dtype, probs, vocab, bandwidth):
-    if op == "chain":
+    if op in ("chain", "ragged"):
         return chain_bench.floor_us(batch, 4, vocab, dtype, probs, bandwidth)
     return tree_bench.floor_us(batch, 64, vocab, dtype, probs, bandwidth)
 
@@ -84,7 +107,7 @@ def main():
     for shape in args.shapes.split(";"):
         op, b, dtype, probs = shape.split(",")
         batch, has_probs = int(b), probs != "none"
-        per_set = batch * (5 if op == "chain" else 64) * args.vocab * (DTYPES[dtype].itemsize + 4 * has_probs)
+        per_set = batch * (64 if op == "tree" else 5) * args.vocab * (DTYPES[dtype].itemsize + 4 * has_probs)
         n_sets = max(2, min(16, int(4e9 // per_set)))
         fns = [make(op, batch, dtype, has_probs, s, args.vocab) for s in range(n_sets)]
         fl = floor(op, batch, dtype, has_probs, args.vocab, bandwidth)

@@ -311,7 +311,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 
 // The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py pins its rules):
 // [num_splits, tiles_per_split, units_phase1, units_total, residual_splits,
-// residual_tiles_per_split]. units_per_slot 0: the shipped plan; > 0: that target, rules off
+// residual_tiles_per_split, prefetch_residual]. units_per_slot 0: the shipped plan; > 0: that target, rules off
 // (what SPECDEC_CUDA_UNITS_PER_SLOT does).
 std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_requests, int64_t vocab, int64_t max_spec_len,
                                            bool has_draft_probs, int64_t concurrent_ctas, int64_t block_method,
@@ -320,7 +320,7 @@ std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_request
       num_rows, num_requests, vocab, max_spec_len, has_draft_probs, concurrent_ctas,
       block_method != 0 ? specdec::kRsMethodBlock : specdec::kRsMethodToken, units_per_slot);
   return {plan.num_splits, plan.tiles_per_split, plan.units_phase1, plan.units_total, plan.residual_splits,
-          plan.residual_tiles_per_split};
+          plan.residual_tiles_per_split, plan.prefetch_residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

@@ -97,6 +97,51 @@ def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs, metho
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])
+@pytest.mark.parametrize("vocab", [7, 32000, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_probs", [False, True])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_gpu_uniform_batches_match_reference(backend, vocab, dtype, draft_probs, method):
+    """Every request with max_spec_len drafts (num_drafts == B * max_spec_len): the CUDA kernel
+    then issues a row's first tiles before it reads the request's offsets (the row is b (K + 1)
+    + t), so this layout takes a path of its own; B = 1 and B = 40 (one wave of units)."""
+    total, agree = 0, 0.0
+    for seed, batch in enumerate([1, 40, 96]):
+        args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=True,
+                            seed=77 * seed + vocab % 991, device="cuda")
+        rate, n = _agreement(backend, args, method=method)
+        agree += rate * n
+        total += n
+    assert agree / total >= 0.99, f"{backend}: {agree / total:.4%} of {total} requests agree"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_gpu_uniform_shape_with_malformed_offsets_matches_reference(backend, draft_probs):
+    """num_drafts == B * max_spec_len while the offsets are not b * max_spec_len (a request
+    with more drafts than max_spec_len, one with none, a decreasing pair): the CUDA kernel's
+    guessed rows miss, and it must wait for those copies and stream the rows the offsets name;
+    every token equals the reference's (six requests, fixed seed: a near-tie is improbable)."""
+    batch, k, vocab = 6, 3, 5000
+    args = list(random_batch(batch, k, vocab, draft_probs=draft_probs, uniform=True, seed=5))
+    cu = [0, 0, 6, 9, 8, 15, 18]
+    logits, drafts = args[0], args[1]
+    for b in range(batch):  # drafts likely under the rows these offsets name, so chains get accepted
+        for t in range(max(0, min(cu[b + 1] - cu[b], k))):
+            logits[cu[b] + b + t, drafts[cu[b] + t]] += 12.0
+    args[2] = torch.tensor(cu, dtype=torch.int32)
+    args[4] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.7, 1.0])
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
+    out, num = specdec_kernels.rejection_sample(*args, backend=backend)
+    assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu())
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or "cuda" not in gpu_backends(), reason="needs the CUDA kernel on a GPU")
 def test_cuda_kernel_takes_block_through_torch_ops():
     """torch.ops.specdec.rejection_sample(..., "block") runs the CUDA kernel (the CUDA key's

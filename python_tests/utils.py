@@ -57,12 +57,16 @@ def total_variation(observed: np.ndarray, probs: np.ndarray) -> float:
 
 
 def random_batch(batch: int, max_drafts: int, vocab: int, *, dtype=torch.float32, draft_probs: bool,
-                 seed: int, device="cpu", zero_draft_share: float = 0.25, accept_boost: float = 3.0):
+                 seed: int, device="cpu", zero_draft_share: float = 0.25, accept_boost: float = 3.0,
+                 uniform: bool = False):
     """A ragged batch of random logits; drafts are often the target's likely tokens so that
-    chains get accepted to various depths. Returns the op's positional arguments."""
+    chains get accepted to various depths. uniform: every request has max_drafts drafts (the
+    padded layout). Returns the op's positional arguments."""
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, max_drafts + 1, (batch,), generator=g)
     counts[torch.rand(batch, generator=g) < zero_draft_share] = 0
+    if uniform:
+        counts.fill_(max_drafts)
     cu = torch.zeros(batch + 1, dtype=torch.int32)
     cu[1:] = counts.cumsum(0)
     n = int(cu[-1])

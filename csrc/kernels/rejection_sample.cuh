@@ -183,6 +183,9 @@ struct RejectionSamplePlan {
   // Rows whose residual phase 2 streams per request: 1 (token: the rejected row), or
   // max(max_spec_len, 1) (block verification with draft probabilities: every draft row).
   int32_t residual_rows;
+  // 1: every unit is resident at once (small batches with draft probabilities), so phase-2 units
+  // wait for most of phase 1; they prefetch the draft-probability tiles they may read into L2.
+  int32_t prefetch_residual;
   int64_t units_phase1;
   int64_t units_total;
   int64_t num_counters;
@@ -310,6 +313,7 @@ inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_r
     rs_split_row(num_tiles, rs_ceil_div(target_units, residual_rows < 1 ? 1 : residual_rows), plan.residual_splits,
                  plan.residual_tiles_per_split);
     plan.units_total += residual_rows * plan.residual_splits;
+    plan.prefetch_residual = plan.units_total <= concurrent_ctas ? 1 : 0;
   }
   plan.num_counters = 2 * num_requests + 2;
   plan.num_split_records = plan.units_phase1;
@@ -370,6 +374,34 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Tiles [tile_lo, tile_hi) of a row (entries below limit) into L2, one 128-byte line per thread
+// and step.
+template <typename P>
+__device__ __forceinline__ void prefetch_tiles_l2(const P* row, int limit, int tile_lo, int tile_hi) {
+  constexpr int kLineEntries = 128 / static_cast<int>(sizeof(P));
+  const int hi = min(tile_hi * kRsTileEntries, limit);
+  for (int i = tile_lo * kRsTileEntries + static_cast<int>(threadIdx.x) * kLineEntries; i < hi;
+       i += kRsThreads * kLineEntries) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + i));
+  }
+}
+
+// A request's unit count: one atomic that releases this thread's earlier writes (the unit's
+// records; every record is written by thread 0, the counting thread) and, for the unit that
+// counts last, acquires the records of those counted before it. It replaces a
+// __threadfence() (fence.sc.gpu) on either side of a relaxed atomicAdd.
+__device__ __forceinline__ int count_unit(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // Entries [idx0, idx0 + kN) of a row, element by element: entries at or past `limit` read
@@ -652,32 +684,78 @@ struct RsShared {
   float draft_prob;
 };
 
-__device__ __forceinline__ float load_temperature(const RejectionSampleParams& p, int b) {
+// A request's fields as loaded: 32-bit words, each load issued without a branch (predicated
+// on the dtypes), so that a caller can issue them, then its first tiles, and only then
+// decode_request, whose arithmetic waits for the loads.
+struct RequestWords {
+  uint32_t cu_lo[2], cu_hi[2];  // cu[b], cu[b + 1] (high words of int64 offsets)
+  uint32_t temperature[2];      // fp32 bits, fp64 words, or a bf16 / fp16 in the low half
+  uint32_t seed[2];
+  uint32_t offset[2];
+};
+
+__device__ __forceinline__ uint32_t load_word(const void* base, int64_t i) {
+  return __ldg(static_cast<const unsigned int*>(base) + i);
+}
+
+// Entry i of an int32 / int64 tensor as its words (the high word only for int64).
+__device__ __forceinline__ void load_index_words(const void* base, bool is_int64, int64_t i, uint32_t (&w)[2]) {
+  w[0] = load_word(base, is_int64 ? 2 * i : i);
+  w[1] = is_int64 ? load_word(base, 2 * i + 1) : 0u;
+}
+
+__device__ __forceinline__ int64_t index_from_words(const uint32_t (&w)[2], bool is_int64) {
+  return is_int64 ? static_cast<int64_t>((static_cast<uint64_t>(w[1]) << 32) | w[0])
+                  : static_cast<int64_t>(static_cast<int32_t>(w[0]));
+}
+
+__device__ __forceinline__ RequestWords load_request_words(const RejectionSampleParams& p, int b) {
+  RequestWords w;
+  load_index_words(p.cu_num_draft_tokens, p.cu_int64, b, w.cu_lo);
+  load_index_words(p.cu_num_draft_tokens, p.cu_int64, b + 1, w.cu_hi);
+  const int dt = p.temperature_dtype;
+  const bool words = dt == kRsTemperatureFloat32 || dt == kRsTemperatureFloat64;
+  const bool halves = dt == kRsTemperatureBFloat16 || dt == kRsTemperatureFloat16;
+  w.temperature[0] = words ? load_word(p.temperature, dt == kRsTemperatureFloat64 ? 2 * b : b)
+                     : halves ? static_cast<uint32_t>(__ldg(static_cast<const unsigned short*>(p.temperature) + b))
+                              : 0u;
+  w.temperature[1] = dt == kRsTemperatureFloat64 ? load_word(p.temperature, 2 * b + 1) : 0u;
+  load_index_words(p.seeds, p.seeds_int64, b, w.seed);
+  w.offset[0] = w.offset[1] = 0u;
+  if (p.offsets != nullptr) load_index_words(p.offsets, p.offsets_int64, b, w.offset);
+  return w;
+}
+
+__device__ __forceinline__ float temperature_from_words(const RejectionSampleParams& p, const uint32_t (&w)[2]) {
   switch (p.temperature_dtype) {
     case kRsTemperatureFloat32:
-      return __ldg(static_cast<const float*>(p.temperature) + b);
+      return __uint_as_float(w[0]);
     case kRsTemperatureFloat64:
-      return __double2float_rn(__ldg(static_cast<const double*>(p.temperature) + b));
+      return __double2float_rn(__hiloint2double(static_cast<int>(w[1]), static_cast<int>(w[0])));
     case kRsTemperatureBFloat16:
-      return load_value(static_cast<const __nv_bfloat16*>(p.temperature) + b);
+      return __uint_as_float(w[0] << 16);
     case kRsTemperatureFloat16:
-      return load_value(static_cast<const __half*>(p.temperature) + b);
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(w[0])));
     default:
-      return 1.0f;
+      return 1.0f;  // every request has temperature 1
   }
 }
 
-__device__ __forceinline__ RequestContext load_request(const RejectionSampleParams& p, int b) {
+__device__ __forceinline__ RequestContext decode_request(const RejectionSampleParams& p, const RequestWords& w) {
   RequestContext rq;
-  rq.cu_lo = load_index(p.cu_num_draft_tokens, p.cu_int64, b);
-  const int64_t count = load_index(p.cu_num_draft_tokens, p.cu_int64, b + 1) - rq.cu_lo;
+  rq.cu_lo = index_from_words(w.cu_lo, p.cu_int64);
+  const int64_t count = index_from_words(w.cu_hi, p.cu_int64) - rq.cu_lo;
   rq.n = static_cast<int>(count < 0 ? 0 : (count > p.max_spec_len ? p.max_spec_len : count));
-  const float temperature = load_temperature(p, b);
+  const float temperature = temperature_from_words(p, w.temperature);
   rq.greedy = !(temperature > 0.0f) || is_nan(temperature);  // 0, negative and NaN are greedy
   rq.k = rq.greedy ? kLog2e : __fdiv_rn(kLog2e, temperature);
-  rq.seed = static_cast<uint64_t>(load_index(p.seeds, p.seeds_int64, b));
-  rq.offset = p.offsets != nullptr ? static_cast<uint64_t>(load_index(p.offsets, p.offsets_int64, b)) : 0u;
+  rq.seed = static_cast<uint64_t>(index_from_words(w.seed, p.seeds_int64));
+  rq.offset = static_cast<uint64_t>(index_from_words(w.offset, p.offsets_int64));
   return rq;
+}
+
+__device__ __forceinline__ RequestContext load_request(const RejectionSampleParams& p, int b) {
+  return decode_request(p, load_request_words(p, b));
 }
 
 // ------------------------------------------------------------------------ tile streaming
@@ -962,10 +1040,16 @@ struct RowStats {
   int sample;  // the race winner's sample of q (-1: no mass, or a greedy request)
 };
 
+struct NoWork {
+  __device__ void operator()() const {}
+};
+
 // Combines the num_splits records of one row (one warp, two per lane), as the Triton kernel
 // combines its per-split statistics. Lane 0 also gets split 0's draft fields in `first`.
+// while_loading() runs between the record loads and their first use.
+template <typename Work = NoWork>
 __device__ __forceinline__ RowStats combine_row_records(const RsSplitRecord* records, int num_splits, float k,
-                                                        int lane, float4& first) {
+                                                        int lane, float4& first, Work&& while_loading = Work{}) {
   float m[2], s[2], g[2];
   int am[2], cand[2];
 #pragma unroll
@@ -989,6 +1073,7 @@ __device__ __forceinline__ RowStats combine_row_records(const RsSplitRecord* rec
       cand[r] = -1;
     }
   }
+  while_loading();
   const float row_max = warp_max(fmaxf(m[0], m[1]));
   float sum = 0.0f, best = -INFINITY;
   int argmax = INT_MAX, best_split = INT_MAX, best_cand = -1;
@@ -1028,8 +1113,13 @@ __device__ inline void decide_request(const RejectionSampleParams& p, int b, RsS
     const RsSplitRecord* records =
         p.split_records + (static_cast<int64_t>(b) * (p.max_spec_len + 1) + t) * p.plan.num_splits;
     float4 first = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const RowStats rs = combine_row_records(records, p.plan.num_splits, rq.k, lane, first);
     const bool is_draft = t < rq.n;
+    float u = 0.0f;  // the accept uniform, drawn while the records load
+    const RowStats rs = combine_row_records(records, p.plan.num_splits, rq.k, lane, first, [&] {
+      if (is_draft && !rq.greedy) {
+        u = uniform_from_word(philox_words(rq.seed, rq.offset, kStreamAccept, static_cast<uint32_t>(t + 1), 0u).x);
+      }
+    });
     const int x = __float_as_int(first.x);  // lane 0: split 0's draft (-1 unless a valid id)
     bool stop = true;
     if (lane == 0 && is_draft) {
@@ -1038,8 +1128,6 @@ __device__ inline void decide_request(const RejectionSampleParams& p, int b, RsS
         accept = x >= 0 && x == rs.argmax;
       } else {
         const float lx = first.y, px = first.z;
-        const float u = uniform_from_word(
-            philox_words(rq.seed, rq.offset, kStreamAccept, static_cast<uint32_t>(t + 1), 0u).x);
         const float q = (x >= 0 && lx > -INFINITY && rs.row_max > -INFINITY)
                             ? __fdiv_rn(exp2f((lx - rs.row_max) * rq.k), rs.row_sum)
                             : 0.0f;
@@ -1295,13 +1383,10 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
     float4* rec = reinterpret_cast<float4*>(p.split_records + static_cast<int64_t>(unit));
     __stcg(rec, make_float4(m, s, __int_as_float(argmax), score));
     __stcg(rec + 1, make_float4(__int_as_float(draft), sm.draft_logit, sm.draft_prob, __int_as_float(candidate)));
-    // Release the record, then count it; the last unit of the request finalizes it.
-    __threadfence();
-    const int done = atomicAdd(p.counters + b, 1);
+    // Release the record and count it; the last unit of the request finalizes it.
+    const int done = count_unit(p.counters + b);
     RS_TRACE(kRsTraceCounted, done);
-    const int last = done == (rq.n + 1) * p.plan.num_splits - 1;
-    if (last) __threadfence();  // acquire the other units' records
-    sm.is_last = last;
+    sm.is_last = done == (rq.n + 1) * p.plan.num_splits - 1;
   }
   __syncthreads();
   // With draft probabilities random requests are finalized by their phase-2 units.
@@ -1358,24 +1443,51 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     row_thr = p.row_thresholds[slot];
     if (p.kept_sum != nullptr) row_kept = p.kept_sum[slot];
   }
-  const RequestContext rq = load_request(p, b);
+  const int tile_lo = split * p.plan.tiles_per_split;
+  const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
+  // The request's fields (and the guessed draft id below) go out before the first tiles: behind
+  // them, they would wait for them. They are decoded after the tiles are issued.
+  const RequestWords rq_words = load_request_words(p, b);
+  // Uniform batches (every request has max_spec_len drafts: num_drafts == B * max_spec_len,
+  // which well-formed offsets imply) hold row (b, t) at b (K + 1) + t and its draft at b K + t.
+  // The first tiles and the draft id then go out with the request's fields rather than after
+  // them (a global round trip, 1-1.8 us); the fields confirm the guess, and a miss (malformed
+  // offsets only) waits for the guessed copies and issues the row's own.
+  const bool uniform = !kFiltered && p.num_drafts == static_cast<int64_t>(p.num_requests) * p.max_spec_len;
+  const int64_t guess_row = uniform && slot < p.num_rows ? slot : -1;
+  const int64_t guess_draft = static_cast<int64_t>(b) * p.max_spec_len + t;
+  TileStream<T, kStages, 0> stream{static_cast<const T*>(p.target_logits) + (guess_row >= 0 ? guess_row : 0) *
+                                                                                   p.logits_row_stride,
+                                   guess_row >= 0 ? p.vocab_size : 0, p.logits_vectorized, ElemBits<T>::kNegInf};
+  int64_t guess_x = -1;
+  if (uniform && t < p.max_spec_len && guess_draft < p.num_drafts) {
+    guess_x = load_index(p.draft_token_ids, p.draft_ids_int64, guess_draft);
+  }
+  const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
+  if (guess_row >= 0) issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
+
+  const RequestContext rq = decode_request(p, rq_words);
   RS_TRACE(kRsTraceRequest, rq.n + static_cast<uint32_t>(rq.seed) + __float_as_uint(rq.k));
-  if (t > rq.n) return;
+  if (t > rq.n) {
+    cp_async_wait<0>();  // a guessed stream's copies land before the CTA leaves
+    return;
+  }
 
   const int64_t row = rq.cu_lo + b + t;
   const bool row_ok = row >= 0 && row < p.num_rows;
   const int limit = row_ok ? p.vocab_size : 0;
   const T* row_ptr = static_cast<const T*>(p.target_logits) + (row_ok ? row : 0) * p.logits_row_stride;
-  const int tile_lo = split * p.plan.tiles_per_split;
-  const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
   const float k = rq.k;
   // The threshold (-inf: unfiltered; greedy rows ignore the filters), and whether the pass held
   // the row's whole kept set (then no stream; CTA-uniform).
   const float thr = rq.greedy ? -INFINITY : row_thr;
   const bool kept_row = thr > -INFINITY && row_kept > 0.0f;
-  const TileStream<T, kStages, 0> stream{row_ptr, limit, p.logits_vectorized, ElemBits<T>::kNegInf};
-  const auto issue = [&](int tile, int stage) { stream.issue(tile, stage); };
-  if (!kept_row) issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
+  if (!kept_row && !(guess_row >= 0 && row == guess_row)) {
+    cp_async_wait<0>();
+    stream.row = row_ptr;
+    stream.limit = limit;
+    issue_first_tiles<kStages>(tile_lo, tile_hi, issue);
+  }
 
   // While the first tiles arrive: the draft of this row. Split 0 records it with l(x) and
   // p(x) for the accept test (thread 0 loads them; they hit lines the stream reads anyway),
@@ -1384,7 +1496,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   if (t < rq.n && (split == 0 || (!kHasDraftProbs && !rq.greedy))) {
     const int64_t d = rq.cu_lo + t;
     if (d >= 0 && d < p.num_drafts) {
-      const int64_t x = load_index(p.draft_token_ids, p.draft_ids_int64, d);
+      const int64_t x = uniform && d == guess_draft ? guess_x : load_index(p.draft_token_ids, p.draft_ids_int64, d);
       if (x >= 0 && x < p.vocab_size) draft = static_cast<int>(x);
     }
   }
@@ -1619,19 +1731,33 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     RS_TRACE(kRsTraceRequest, rq.n + static_cast<uint32_t>(rq.seed) + __float_as_uint(rq.k));
     if (rq.greedy) return;  // finalized by its last phase-1 unit
     if (threadIdx.x == 0) sm.rq = rq;  // for the decision, rather than registers across it
+    if (p.plan.prefetch_residual) {
+      // While phase 1 runs: this unit's tiles of the draft-probability rows its residual may read
+      // (token verification: any draft row, the rejected one is not known yet; block
+      // verification: its own row) into L2. The target rows are there from phase 1's stream.
+      const int tile_lo = split * p.plan.residual_tiles_per_split;
+      const int tile_hi = min(tile_lo + p.plan.residual_tiles_per_split, p.plan.num_tiles);
+      const int t_lo = kBlock ? residual_row : 0;
+      const int t_hi = kBlock ? min(residual_row + 1, rq.n) : rq.n;
+      for (int t = t_lo; t < t_hi; ++t) {
+        const int64_t d = rq.cu_lo + t;
+        if (d >= 0 && d < p.num_drafts) {
+          prefetch_tiles_l2(static_cast<const P*>(p.draft_probs) + d * p.draft_probs_row_stride, p.vocab_size, tile_lo,
+                            tile_hi);
+        }
+      }
+    }
   }
 
   // Wait for the request's phase 1 (those units hold lower tickets: they already run). Block
   // verification's units past the chain wait too: any unit may be the one that finalizes.
   if (threadIdx.x == 0) {
     const int need = (sm.rq.n + 1) * p.plan.num_splits;
-    const volatile int* done = p.counters + b;
     unsigned sleep_ns = 32;
-    while (*done < need) {
+    while (load_acquire(p.counters + b) < need) {  // acquires the phase-1 records
       __nanosleep(sleep_ns);
       if (sleep_ns < 1024) sleep_ns *= 2;
     }
-    __threadfence();
     RS_TRACE(kRsTraceWaited, need);
   }
   __syncthreads();
@@ -1750,12 +1876,9 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   }
 
   if (threadIdx.x == 0) {
-    __threadfence();
-    const int done = atomicAdd(p.counters + p.num_requests + b, 1);
+    const int done = count_unit(p.counters + p.num_requests + b);
     RS_TRACE(kRsTraceCounted, done);
-    const int last = done == units_per_request - 1;
-    if (last) __threadfence();
-    sm.is_last = last;
+    sm.is_last = done == units_per_request - 1;
   }
   __syncthreads();
   if (sm.is_last) {
