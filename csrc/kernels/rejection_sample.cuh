@@ -1264,14 +1264,29 @@ __device__ void decide_block(const RejectionSampleParams& p, int b, RsShared& sm
   }
 }
 
+// Draft threadIdx.x of the request (-1 from n on, or outside the tensor), loaded by a finalizer
+// before its decision so that the load overlaps it; write_outputs takes it.
+__device__ __forceinline__ int32_t preload_output_draft(const RejectionSampleParams& p, const RequestContext& rq) {
+  const int64_t d = rq.cu_lo + threadIdx.x;
+  return (static_cast<int>(threadIdx.x) < rq.n && d >= 0 && d < p.num_drafts)
+             ? static_cast<int32_t>(load_index(p.draft_token_ids, p.draft_ids_int64, d))
+             : -1;
+}
+
+// preloaded: preload_output_draft's value (positions past the first kRsThreads load theirs).
 __device__ __forceinline__ void write_outputs(const RejectionSampleParams& p, const RequestContext& rq, int b,
-                                              int t_star, int token) {
+                                              int t_star, int token, int32_t preloaded) {
   const int width = p.max_spec_len + 1;
   int32_t* out = p.output_token_ids + static_cast<int64_t>(b) * width;
   for (int pos = threadIdx.x; pos < width; pos += kRsThreads) {
     // Accepted drafts were checked in range by their accept tests.
-    out[pos] = pos < t_star ? static_cast<int32_t>(load_index(p.draft_token_ids, p.draft_ids_int64, rq.cu_lo + pos))
-                            : (pos == t_star ? token : -1);
+    int32_t value = pos == t_star ? token : -1;
+    if (pos < t_star) {
+      value = pos == static_cast<int>(threadIdx.x)
+                  ? preloaded
+                  : static_cast<int32_t>(load_index(p.draft_token_ids, p.draft_ids_int64, rq.cu_lo + pos));
+    }
+    out[pos] = value;
   }
   if (threadIdx.x == 0) p.num_accepted[b] = t_star;
 }
@@ -1391,6 +1406,7 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
   __syncthreads();
   // With draft probabilities random requests are finalized by their phase-2 units.
   if (sm.is_last && (!kHasDraftProbs || rq.greedy)) {
+    const int32_t out_draft = preload_output_draft(p, rq);
     if constexpr (kMethod == kRsMethodBlock && !kHasDraftProbs) {
       // Point-mass drafts: R_i comes from the accept-test operands, and the sample of row tau
       // (its draft left out when tau < n') is already in its records.
@@ -1413,7 +1429,7 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
       token = row_argmax(static_cast<const T*>(p.target_logits) + (star_ok ? row_star : 0) * p.logits_row_stride,
                          star_ok ? p.vocab_size : 0, sm);
     }
-    write_outputs(p, rq, b, t_star, token);
+    write_outputs(p, rq, b, t_star, token, out_draft);
     RS_TRACE(kRsTraceFinalized, token);
     if (threadIdx.x == 0) p.counters[b] = 0;
   }
@@ -1882,6 +1898,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
   }
   __syncthreads();
   if (sm.is_last) {
+    const int32_t out_draft = preload_output_draft(p, rq);
     bool final_residual = needs_residual;
     if constexpr (kBlock) {
       // Every row's residual mass is in: tau, and the residual of row tau if tau < n'.
@@ -1916,7 +1933,7 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
       if (lane == 0) sm.token = token;
     }
     __syncthreads();
-    write_outputs(p, rq, b, t_star, sm.token);
+    write_outputs(p, rq, b, t_star, sm.token, out_draft);
     RS_TRACE(kRsTraceFinalized, sm.token);
     if (threadIdx.x == 0) {
       p.counters[b] = 0;
