@@ -33,7 +33,9 @@ def chain_plan(batch, k, *, probs=False, ctas=H100_16BIT, block=False, units_per
 @pytest.mark.parametrize("batch,expected", [
     (1, [16, 1, 80, 80]),      # 5 rows x 16 one-tile splits
     (8, [8, 2, 320, 320]),     # one wave: 640 one-tile units would take two
-    (32, [3, 6, 480, 480]),    # one wave: 960 x 3 tiles -> 480 x 6
+    (16, [6, 3, 480, 480]),    # one wave: 640 x 2 tiles -> 480 x 3
+    (24, [8, 2, 960, 960]),    # one wave would need 4-tile units: more than kRsOneWaveMaxTiles
+    (32, [6, 3, 960, 960]),    # the same: not 480 x 6
     (64, [4, 4, 1280, 1280]),  # one wave would need 16-tile units: more than twice as coarse
     (128, [4, 4, 2560, 2560]),  # 640 rows fill a wave of 528: 4 units per CTA
     (256, [2, 8, 2560, 2560]),  # 1280 rows: ceil(2112 / 1280) = 2 splits

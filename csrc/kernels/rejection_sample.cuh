@@ -132,6 +132,9 @@ constexpr int kRsUnitsPerSlot = 2;
 // Batches whose rows alone fill a wave of resident CTAs aim at this many units per CTA instead
 // (plan_rejection_sample's shipped rules).
 constexpr int kRsUnitsPerSlotLarge = 4;
+// The longest units the one-wave rule makes (tiles; H100, bf16: with 3 it won at B = 8-16, tied at
+// 24 and lost at 20 and 32-48 with longer units).
+constexpr int kRsOneWaveMaxTiles = 3;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -270,11 +273,13 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 //   draft B = 128 170.5 -> 169.0; B = 64 (320 rows, the rule off) would lose 39.9 -> 40.5.
 // - Small batches, one wave: without draft
 // probabilities, when those units overflow the resident CTAs but rows split at most twice as
-// coarsely fit in one wave, take that -- a short second wave costs a whole unit's time, and
-// each unit its fixed costs. E.g. B = 8, K = 4, V = 128256 on 132 SMs: 640 one-tile units in
-// two waves -> 320 two-tile units in one. With draft probabilities the same rule (phase-1
-// units only) was faster at B = 8-16 and slower at B = 24-32 on an H100, so it is off there
-// (docs/PERF.md, "One wave").
+// coarsely, into units of at most kRsOneWaveMaxTiles tiles, fit in one wave, take that -- a
+// short second wave costs a whole unit's time, and each unit its fixed costs. E.g. B = 8,
+// K = 4, V = 128256 on 132 SMs: 640 one-tile units in two waves -> 320 two-tile units in one.
+// Longer units lose since units start by issuing their tiles (docs/PERF.md, "Rows before
+// offsets"): B = 32 480 six-tile units 25.1 us against 960 three-tile ones 23.6. With draft
+// probabilities the same rule (phase-1 units only) was faster at B = 8-16 and slower at
+// B = 24-32 on an H100, so it is off there (docs/PERF.md, "One wave").
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
                                                  int64_t concurrent_ctas, RsMethod method = kRsMethodToken,
@@ -295,7 +300,8 @@ inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_r
       concurrent_ctas >= row_slots) {
     int32_t splits = 0, per_split = 0;
     rs_split_row(num_tiles, concurrent_ctas / row_slots, splits, per_split);
-    if (row_slots * splits <= concurrent_ctas && per_split <= 2 * plan.tiles_per_split) {
+    if (row_slots * splits <= concurrent_ctas && per_split <= 2 * plan.tiles_per_split &&
+        per_split <= kRsOneWaveMaxTiles) {
       plan.num_splits = splits;
       plan.tiles_per_split = per_split;
     }
