@@ -63,6 +63,14 @@ def summarize(trace: torch.Tensor) -> dict:
     out["finalizers"] = int(fin.sum())
     out["finalize_med"] = float((rel[fin][:, 6] - rel[fin][:, 5]).median())
     out["finalize_max"] = float((rel[fin][:, 6] - rel[fin][:, 5]).max())
+    if trace.shape[1] > 9:  # the finalizer's own marks (slots 8, 9; phase-1 finalizers)
+        extra = torch.where(rows[:, 8:10] != 0, (rows[:, 8:10].double() - t0) / 1e3,
+                            torch.full_like(rows[:, 8:10].double(), float("nan")))
+        fin1 = fin & ~torch.isnan(extra[:, 1])
+        if fin1.any():
+            for name, a, b in (("fin_records", rel[:, 5], extra[:, 0]), ("fin_decide", extra[:, 0], extra[:, 1]),
+                               ("fin_outputs", extra[:, 1], rel[:, 6])):
+                out[name + "_med"] = float((b[fin1] - a[fin1]).median())
     out["span"] = float(torch.nan_to_num(rel, nan=0.0).max())
     return out
 
@@ -145,7 +153,9 @@ def main():
               f"{med['p1_request_med']:.2f}/{med['p1_request_max']:.2f} stream {med['p1_stream_med']:.2f}/"
               f"{med['p1_stream_max']:.2f} barrier {med['p1_barrier_med']:.2f}/{med['p1_barrier_max']:.2f} combine {med['p1_combine_med']:.2f}/{med['p1_combine_max']:.2f} count "
               f"{med['p1_count_med']:.2f}/{med['p1_count_max']:.2f} last counted {med['p1_last_counted']:.2f}{p2} | "
-              f"finalize {med['finalize_med']:.2f}/{med['finalize_max']:.2f}")
+              f"finalize {med['finalize_med']:.2f}/{med['finalize_max']:.2f}"
+              + (f" (records {med['fin_records_med']:.2f} decide {med['fin_decide_med']:.2f} outputs "
+                 f"{med['fin_outputs_med']:.2f})" if "fin_records_med" in med else ""))
     chain_bench.write_csv(args.out + ".csv", summaries)
     raw_rows = []
     for name, rows in raw.items():

@@ -142,6 +142,32 @@ def test_gpu_uniform_shape_with_malformed_offsets_matches_reference(backend, dra
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_gpu_request_field_dtypes_give_the_same_tokens(backend, uniform):
+    """Temperatures in fp32 / fp64 / bf16 / fp16 and offsets, seeds and stream offsets in int32 /
+    int64, with values every one of them holds exactly: the same tokens as the reference (the
+    CUDA kernel reads these fields as raw words and decodes them per dtype)."""
+    batch, k, vocab = 24, 3, 3000
+    args = list(random_batch(batch, k, vocab, draft_probs=False, uniform=uniform, seed=11, accept_boost=10.0,
+                             device="cuda"))
+    args[4] = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.75, 1.5] * 4, device="cuda")
+    args[5] = torch.arange(batch, device="cuda") * 7919 - 50000  # seeds (negative ones too)
+    args[6] = torch.arange(batch, device="cuda") * 13
+    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
+    for temp_dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for index_dtype in (torch.int32, torch.int64):
+            call = list(args)
+            call[2] = args[2].to(index_dtype)
+            call[4] = args[4].to(temp_dtype)
+            call[5], call[6] = args[5].to(index_dtype), args[6].to(index_dtype)
+            out, num = specdec_kernels.rejection_sample(*call, backend=backend)
+            assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu()), \
+                (temp_dtype, index_dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or "cuda" not in gpu_backends(), reason="needs the CUDA kernel on a GPU")
 def test_cuda_kernel_takes_block_through_torch_ops():
     """torch.ops.specdec.rejection_sample(..., "block") runs the CUDA kernel (the CUDA key's

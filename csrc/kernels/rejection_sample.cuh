@@ -73,7 +73,7 @@ namespace specdec {
 // wait for the value it depends on (a load's result, a decision), so a mark is not taken before
 // the step it closes has finished. Slot 7 holds the unit's %smid.
 constexpr int kRsTraceCtas = 8192;
-constexpr int kRsTraceSlots = 8;
+constexpr int kRsTraceSlots = 10;
 enum RsTraceMark : int {
   kRsTraceEntry = 0,     // first instruction of the CTA
   kRsTraceRequest = 1,   // the request's fields loaded
@@ -83,6 +83,8 @@ enum RsTraceMark : int {
   kRsTraceCounted = 5,   // record released and counted: the unit knows whether it finalizes
   kRsTraceFinalized = 6, // the finalizer wrote the outputs
   kRsTraceSm = 7,
+  kRsTraceRecords = 8,  // finalizer (token method): its warp's rows combined and tested
+  kRsTraceDecided = 9,  // finalizer: t* and row t*'s values in shared memory
 };
 #ifdef SPECDEC_TRACE
 __device__ unsigned long long rs_trace[kRsTraceCtas * kRsTraceSlots];
@@ -1151,6 +1153,7 @@ __device__ inline void decide_request(const RejectionSampleParams& p, int b, RsS
       break;
     }
   }
+  RS_TRACE(kRsTraceRecords, stop_row);
   if (lane == 0 && stop_row != INT_MAX) atomicMin(&sm.t_star, stop_row);
   __syncthreads();
   if (lane == 0 && stop_row == sm.t_star) {
@@ -1427,6 +1430,7 @@ __device__ __forceinline__ void finish_phase1_unit(const RejectionSampleParams& 
     const RequestContext rq = sm.rq;
     const int t_star = sm.t_star;
     int token = rq.greedy ? sm.argmax_star : sm.sample_star;
+    RS_TRACE(kRsTraceDecided, t_star + token);
     if (!rq.greedy && token < 0) {
       // Deterministic drafts: q minus the rejected draft is empty only if q is a point mass,
       // which is then the argmax (-1 for a row without a valid logit).
