@@ -27,6 +27,16 @@ def _agreement(backend, args, check=True, **kw):
     return same.float().mean().item(), same.numel()
 
 
+def _pooled_agreement(backend, batches, **kw):
+    """_agreement over several batches: the share of all their requests that agree, and how many."""
+    total, agree = 0, 0.0
+    for args in batches:
+        rate, n = _agreement(backend, args, **kw)
+        agree += rate * n
+        total += n
+    return agree / total, total
+
+
 @pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
                     reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
 @pytest.mark.parametrize("vocab", VOCABS_CPU)
@@ -86,14 +96,10 @@ def test_triton_interpreter_block_sums_every_residual_split(monkeypatch, program
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs, method):
     batch = 256 if vocab < 100000 else 96
-    total, agree = 0, 0.0
-    for seed in range(3):
-        args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs,
-                            seed=1000 * seed + vocab % 997, device="cuda")
-        rate, n = _agreement(backend, args, method=method)
-        agree += rate * n
-        total += n
-    assert agree / total >= 0.999, f"{backend}: {agree / total:.4%} of {total} requests agree"
+    batches = (random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, seed=1000 * seed + vocab % 997,
+                            device="cuda") for seed in range(3))
+    rate, total = _pooled_agreement(backend, batches, method=method)
+    assert rate >= 0.999, f"{backend}: {rate:.4%} of {total} requests agree"
 
 
 @pytest.mark.gpu
@@ -107,14 +113,10 @@ def test_gpu_uniform_batches_match_reference(backend, vocab, dtype, draft_probs,
     """Every request with max_spec_len drafts (num_drafts == B * max_spec_len): the CUDA kernel
     then issues a row's first tiles before it reads the request's offsets (the row is b (K + 1)
     + t), so this layout takes a path of its own; B = 1 and B = 40 (one wave of units)."""
-    total, agree = 0, 0.0
-    for seed, batch in enumerate([1, 40, 96]):
-        args = random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=True,
-                            seed=77 * seed + vocab % 991, device="cuda")
-        rate, n = _agreement(backend, args, method=method)
-        agree += rate * n
-        total += n
-    assert agree / total >= 0.99, f"{backend}: {agree / total:.4%} of {total} requests agree"
+    batches = (random_batch(batch, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=True,
+                            seed=77 * seed + vocab % 991, device="cuda") for seed, batch in enumerate([1, 40, 96]))
+    rate, total = _pooled_agreement(backend, batches, method=method)
+    assert rate >= 0.99, f"{backend}: {rate:.4%} of {total} requests agree"
 
 
 @pytest.mark.gpu
@@ -201,10 +203,7 @@ def _block_edge_batch(batch, k, vocab, draft_probs, seed):
 @pytest.mark.parametrize("k", [1, 8, 20])
 @pytest.mark.parametrize("draft_probs", [False, True])
 def test_gpu_block_edge_cases_match_reference(backend, k, draft_probs):
-    total, agree = 0, 0.0
-    for seed, (batch, vocab) in enumerate([(3, 40000), (64, 4097), (300, 1000)]):
-        args = _block_edge_batch(batch, k, vocab, draft_probs, seed=100 * k + seed)
-        rate, n = _agreement(backend, args, check=False, method="block")
-        agree += rate * n
-        total += n
-    assert agree / total >= 0.99, f"{backend}: {agree / total:.4%} of {total} requests agree"
+    batches = (_block_edge_batch(batch, k, vocab, draft_probs, seed=100 * k + seed)
+               for seed, (batch, vocab) in enumerate([(3, 40000), (64, 4097), (300, 1000)]))
+    rate, total = _pooled_agreement(backend, batches, check=False, method="block")
+    assert rate >= 0.99, f"{backend}: {rate:.4%} of {total} requests agree"
