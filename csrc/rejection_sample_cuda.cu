@@ -311,8 +311,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 
 // The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py pins its rules):
 // [num_splits, tiles_per_split, units_phase1, units_total, residual_splits,
-// residual_tiles_per_split, prefetch_residual]. units_per_slot 0: the shipped plan; > 0: that target, rules off
-// (what SPECDEC_CUDA_UNITS_PER_SLOT does).
+// residual_tiles_per_split, prefetch_residual]. units_per_slot 0: the shipped plan; > 0: that
+// target, rules off (what SPECDEC_CUDA_UNITS_PER_SLOT does).
 std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_requests, int64_t vocab, int64_t max_spec_len,
                                            bool has_draft_probs, int64_t concurrent_ctas, int64_t block_method,
                                            int64_t units_per_slot) {

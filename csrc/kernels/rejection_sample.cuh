@@ -83,7 +83,7 @@ enum RsTraceMark : int {
   kRsTraceCounted = 5,   // record released and counted: the unit knows whether it finalizes
   kRsTraceFinalized = 6, // the finalizer wrote the outputs
   kRsTraceSm = 7,
-  kRsTraceRecords = 8,  // finalizer (token method): its warp's rows combined and tested
+  kRsTraceRecords = 8,  // decide_request: thread 0's rows combined and tested (finalizers; phase-2 units too)
   kRsTraceDecided = 9,  // finalizer: t* and row t*'s values in shared memory
 };
 #ifdef SPECDEC_TRACE

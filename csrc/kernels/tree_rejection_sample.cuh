@@ -123,7 +123,9 @@ struct TreeRejectionSampleParams {
 // units_per_slot_override > 0 (benchmarks) aims at that many instead of kRtUnitsPerSlot and
 // turns off the one-wave rule; 0, the shipped plan, whose one-wave rule is the chain plan's
 // (plan_rejection_sample): without draft probabilities, phase-1 units split at most twice as
-// coarsely when that fits them and the finalizers in one wave of resident CTAs.
+// coarsely when that fits them and the finalizers in one wave of resident CTAs. The chain's cap
+// on such units (kRsOneWaveMaxTiles) is not applied here: it was measured on the chain kernel only
+// (64-node trees at B = 1 take 3-tile units, within it, either way).
 inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int64_t num_requests, int64_t vocab,
                                                           int64_t concurrent_ctas,
                                                           bool has_draft_probs,
