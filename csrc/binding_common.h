@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -174,6 +176,30 @@ inline int64_t units_per_slot_override() {
     return (end != nullptr && *end == '\0' && v >= 1 && v <= 64) ? int64_t{v} : int64_t{0};
   }();
   return override_value;
+}
+
+// Programmatic dependent launch (docs/PERF.md "Launch overlap"): on sm_90 and newer the kernels
+// are launched so that their CTAs become resident while the previous kernel in the stream
+// drains; they execute griddepcontrol.wait before reading or writing any memory, so ordering is
+// that of a plain launch. SPECDEC_CUDA_PDL=0 turns it off (read once per process); older cards
+// never use it. The capability is cached per device.
+inline bool pdl_enabled(int device_index) {
+  static const bool allowed = [] {
+    const char* env = std::getenv("SPECDEC_CUDA_PDL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  if (!allowed) return false;
+  static std::mutex mutex;
+  static std::vector<int8_t> cache;  // 0 unknown, 1 no, 2 yes
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto index = static_cast<size_t>(device_index);
+  if (cache.size() <= index) cache.resize(index + 1, 0);
+  if (cache[index] == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_index));
+    cache[index] = major >= 9 ? 2 : 1;
+  }
+  return cache[index] == 2;
 }
 
 }  // namespace specdec::binding

@@ -137,12 +137,10 @@ void launch(const Call& call) {
   p.plan = plan;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  if (filtered) {
-    specdec::launch_rejection_sample<T, P, kMethod, true>(p, stream);
-  } else {
-    specdec::launch_rejection_sample<T, P, kMethod, false>(p, stream);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool pdl = binding::pdl_enabled(device.index());
+  const cudaError_t launched = filtered ? specdec::launch_rejection_sample<T, P, kMethod, true>(p, stream, pdl)
+                                        : specdec::launch_rejection_sample<T, P, kMethod, false>(p, stream, pdl);
+  C10_CUDA_CHECK(launched);
 }
 
 template <typename T, RsMethod kMethod>

@@ -122,8 +122,9 @@ void launch(const Call& call) {
   p.max_depth = static_cast<int32_t>(call.max_depth);
   p.plan = plan;
 
-  specdec::launch_tree_rejection_sample<T, P>(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cudaError_t launched = specdec::launch_tree_rejection_sample<T, P>(
+      p, c10::cuda::getCurrentCUDAStream(device.index()).stream(), binding::pdl_enabled(device.index()));
+  C10_CUDA_CHECK(launched);
 }
 
 template <typename T>

@@ -43,3 +43,28 @@ def test_back_to_back_calls_keep_counters_clean(backend):
         ref.append(specdec_kernels.rejection_sample(*args, method=method, backend="reference"))
     agree = sum(int(torch.equal(o[0], r[0])) for o, r in zip(outs, ref))
     assert agree >= 39
+
+
+@pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_consecutive_calls_match_reference_eager_and_in_a_graph(backend, draft_probs):
+    """Calls issued back to back with nothing between them, as the benchmark's graphs hold them:
+    with programmatic dependent launch (CUDA, sm_90+) a call's CTAs start while the previous call
+    drains and share its workspace, so each must still wait for it (docs/PERF.md)."""
+    batches = [random_batch(b, 4, 32000, dtype=torch.bfloat16, draft_probs=draft_probs, seed=40 + i, device="cuda",
+                            uniform=i % 2 == 1)  # uniform batches take the kernel's guessed-row start
+               for i, b in enumerate([1, 32, 1, 200, 8, 1])]
+    refs = [specdec_kernels.rejection_sample(*args, backend="reference") for args in batches]
+    torch.cuda.synchronize()
+    eager = [specdec_kernels.rejection_sample(*args, backend=backend) for args in batches]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [specdec_kernels.rejection_sample(*args, backend=backend) for args in batches]
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    for (out, num), (graph_out, graph_num), (ref_out, ref_num) in zip(eager, captured, refs):
+        assert torch.equal(out, graph_out) and torch.equal(num, graph_num)
+        assert (out == ref_out).all(dim=1).float().mean().item() >= 0.99
+        assert torch.equal(num[(out == ref_out).all(dim=1)], ref_num[(out == ref_out).all(dim=1)])

@@ -30,6 +30,9 @@
 #                                               on both, same call, same card;
 #                                               AB_UNITS=2: a units-per-slot override instead of
 #                                               the shipped plan)
+#   PDL_AB=1                                   (tune_cuda_plan.py on AB_SHAPES with SPECDEC_CUDA_PDL=0
+#                                               and =1: programmatic dependent launch off / on,
+#                                               same build, same card)
 #   TRACE=1                                    (benchmarks/trace_chain_timeline.py: a copy of this
 #                                               tree built with -DSPECDEC_TRACE in /tmp/trace, next
 #                                               to the main build; per-CTA timelines of the CUDA
@@ -138,6 +141,16 @@ if [ -n "${AB_BASE:-}" ]; then
       2>&1 | sed "s/^/$side: /" | tee -a "$OUT/run.log" | tail -8)
   done
   echo "a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${PDL_AB:-0}" = "1" ]; then
+  start=$(date +%s)
+  for pdl in 0 1; do
+    SPECDEC_CUDA_PDL=$pdl timeout 150 python3 benchmarks/tune_cuda_plan.py --out "$OUT/pdl_$pdl" --units-per-slot default \
+      --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
+      2>&1 | sed "s/^/pdl=$pdl: /" | tee -a "$OUT/run.log" | tail -12
+  done
+  echo "pdl a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 if [ "${TRACE:-0}" = "1" ]; then

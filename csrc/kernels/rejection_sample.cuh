@@ -67,6 +67,40 @@
 
 namespace specdec {
 
+// Programmatic dependent launch (sm_90+, docs/PERF.md "Launch overlap"). A kernel launched with
+// launch_with_pdl(..., true) may have its CTAs scheduled before the previous kernel in the
+// stream has finished; its first statement is wait_for_prior_kernels(), which returns once that
+// kernel has completed and its writes are visible, so nothing is read or written early. Once a
+// CTA is past the wait it allows the next kernel to be scheduled the same way: at most two grids
+// overlap, and the next one only in slots the current one does not need. No-ops before sm_90.
+__device__ __forceinline__ void wait_for_prior_kernels() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+template <typename Params>
+cudaError_t launch_with_pdl(void (*kernel)(Params), unsigned int grid, unsigned int block, size_t smem,
+                            cudaStream_t stream, bool pdl, const Params& params) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, params);
+}
+
 // Timeline trace (a profiling build only: SPECDEC_NVCC_FLAGS=-DSPECDEC_TRACE; read by
 // torch.ops.specdec._rejection_sample_trace, benchmarks/trace_chain_timeline.py). Thread 0 of
 // CTA i writes %globaltimer (ns) at the marks below into rs_trace[i][mark]; `dep` makes the mark
@@ -1966,6 +2000,8 @@ __global__ void __launch_bounds__(kRsThreads, rs_detail::RsConfig<T, P>::kMinBlo
     rejection_sample_kernel(const RejectionSampleParams p) {
   constexpr bool kHasDraftProbs = !std::is_same<P, NoDraftProbs>::value;
   __shared__ rs_detail::RsShared sm;
+  wait_for_prior_kernels();
+  allow_next_kernel_launch();
   RS_TRACE(kRsTraceEntry, 0);
   int unit = static_cast<int>(blockIdx.x);
   if constexpr (kHasDraftProbs) {
@@ -2005,11 +2041,12 @@ cudaError_t rejection_sample_prepare(int* blocks_per_sm) {
 }
 
 // params.plan must come from plan_rejection_sample(..., kMethod); kFiltered iff
-// params.row_thresholds is set.
+// params.row_thresholds is set. pdl: programmatic dependent launch (sm_90+ only).
 template <typename T, typename P, RsMethod kMethod = kRsMethodToken, bool kFiltered = false>
-void launch_rejection_sample(const RejectionSampleParams& params, cudaStream_t stream) {
-  rejection_sample_kernel<T, P, kMethod, kFiltered>
-      <<<static_cast<unsigned int>(params.plan.units_total), kRsThreads, rejection_sample_smem_bytes<T, P>(), stream>>>(params);
+cudaError_t launch_rejection_sample(const RejectionSampleParams& params, cudaStream_t stream, bool pdl = false) {
+  return launch_with_pdl(rejection_sample_kernel<T, P, kMethod, kFiltered>,
+                         static_cast<unsigned int>(params.plan.units_total), kRsThreads,
+                         rejection_sample_smem_bytes<T, P>(), stream, pdl, params);
 }
 
 }  // namespace specdec

@@ -1057,6 +1057,8 @@ template <typename T, typename P>
 __global__ void __launch_bounds__(kRtThreads, rt_detail::RtConfig<T, P>::kMinBlocksPerSM)
     tree_rejection_sample_kernel(const TreeRejectionSampleParams p) {
   __shared__ rt_detail::RtShared sm;
+  wait_for_prior_kernels();
+  allow_next_kernel_launch();
   const int64_t unit = blockIdx.x;
   if (unit < p.plan.units_phase1) {
     rt_detail::phase1_unit<T, P>(p, sm, unit);
@@ -1077,10 +1079,12 @@ cudaError_t tree_rejection_sample_prepare(int* blocks_per_sm) {
                                                        kRtThreads, kSmem);
 }
 
+// pdl: programmatic dependent launch (sm_90+ only; rejection_sample.cuh).
 template <typename T, typename P>
-void launch_tree_rejection_sample(const TreeRejectionSampleParams& params, cudaStream_t stream) {
-  tree_rejection_sample_kernel<T, P><<<static_cast<unsigned int>(params.plan.units_total), kRtThreads,
-                                       tree_rejection_sample_smem_bytes<T, P>(), stream>>>(params);
+cudaError_t launch_tree_rejection_sample(const TreeRejectionSampleParams& params, cudaStream_t stream,
+                                         bool pdl = false) {
+  return launch_with_pdl(tree_rejection_sample_kernel<T, P>, static_cast<unsigned int>(params.plan.units_total),
+                         kRtThreads, tree_rejection_sample_smem_bytes<T, P>(), stream, pdl, params);
 }
 
 }  // namespace specdec
