@@ -598,11 +598,31 @@ __device__ __forceinline__ float residual_weight(float logit, float prob, float 
 
 // ---------------------------------------------------------------------------- warp helpers
 
-// Butterfly reductions: every lane ends with the same value (IEEE + and max commute).
+// Order-preserving map of floats onto uint32 keys (a NaN ranks lowest, as fmaxf drops it) and
+// back, for max reductions on the integer reduce unit.
+__device__ __forceinline__ uint32_t ordered_key(float v) {
+  const uint32_t b = __float_as_uint(v);
+  const uint32_t key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return is_nan(v) ? 0u : key;
+}
+
+__device__ __forceinline__ float from_ordered_key(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// Warp reductions; every lane ends with the same value. Max and min are one redux.sync each
+// (sm_80+) instead of five dependent shuffles: the ends of units and the finalizers chain a
+// dozen of them (docs/PERF.md "Launch overlap and warp reductions"). The max of floats is
+// exact either way (one of the inputs; NaNs dropped unless all are NaN); sums add in butterfly
+// order.
 __device__ __forceinline__ float warp_max(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return from_ordered_key(__reduce_max_sync(kFullMask, ordered_key(v)));
+#else
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -612,9 +632,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ int warp_min(int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(kFullMask, v);
+#else
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
+#endif
 }
 
 __device__ __forceinline__ float warp_inclusive_scan(float v, int lane) {
@@ -655,19 +679,16 @@ __device__ __forceinline__ float group_inclusive_scan(float v, int gl, unsigned 
   return v;
 }
 
-// Race winner over lanes: highest score, lowest chunk on ties; every lane gets the result.
+// Race winner over lanes: highest score, lowest chunk on ties, and that lane's candidate (the
+// lowest such lane's if several hold the same score and chunk); every lane gets the result.
 __device__ __forceinline__ void warp_race_winner(float& score, int& chunk, int& candidate) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float other_score = __shfl_xor_sync(kFullMask, score, o);
-    const int other_chunk = __shfl_xor_sync(kFullMask, chunk, o);
-    const int other_candidate = __shfl_xor_sync(kFullMask, candidate, o);
-    if (other_score > score || (other_score == score && other_chunk < chunk)) {
-      score = other_score;
-      chunk = other_chunk;
-      candidate = other_candidate;
-    }
-  }
+  const float best = warp_max(score);
+  const bool at_best = ordered_key(score) == ordered_key(best);
+  const int best_chunk = warp_min(at_best ? chunk : INT_MAX);
+  const unsigned holders = __ballot_sync(kFullMask, at_best && chunk == best_chunk);
+  candidate = __shfl_sync(kFullMask, candidate, holders != 0u ? __ffs(holders) - 1 : 0);
+  score = best;
+  chunk = best_chunk;
 }
 
 // ---------------------------------------------------------------------------- shared state
