@@ -178,11 +178,11 @@ inline int64_t units_per_slot_override() {
   return override_value;
 }
 
-// Programmatic dependent launch (docs/PERF.md "Launch overlap"): on sm_90 and newer the kernels
-// are launched so that their CTAs become resident while the previous kernel in the stream
-// drains; they execute griddepcontrol.wait before reading or writing any memory, so ordering is
-// that of a plain launch. SPECDEC_CUDA_PDL=0 turns it off (read once per process); older cards
-// never use it. The capability is cached per device.
+// Programmatic dependent launch (docs/PERF.md "Launch overlap and warp reductions"): on sm_90
+// and newer the kernels are launched so that their CTAs become resident while the previous
+// kernel in the stream drains; they execute griddepcontrol.wait before reading or writing any
+// memory, so ordering is that of a plain launch. SPECDEC_CUDA_PDL=0 turns it off (read once per
+// process); older cards never use it. The capability is cached per device.
 inline bool pdl_enabled(int device_index) {
   static const bool allowed = [] {
     const char* env = std::getenv("SPECDEC_CUDA_PDL");
