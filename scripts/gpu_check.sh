@@ -37,6 +37,12 @@
 #                                               tree built with -DSPECDEC_TRACE in /tmp/trace, next
 #                                               to the main build; per-CTA timelines of the CUDA
 #                                               chain kernel on TRACE_SHAPES, TRACE_ARGS)
+#   SPECDEC_COMMIT=abc1234                     (the commit the copied tree is, for the CSVs' commit
+#                                               column; pass it expanded on the local side, e.g.
+#                                               SPECDEC_COMMIT=$(git rev-parse --short HEAD) written
+#                                               into the command. The GPU machine's own .git can be
+#                                               an older session's, so there (OUT set) unset reads
+#                                               "unknown"; AB_BASE_COMMIT names the A/B's base)
 # The machine has torch, triton, nvcc and ninja but no network: build without isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +51,8 @@ cd "$(dirname "$0")/.."
 # formats a number then segfaults (docs/ROBUSTNESS.md). Build with the system compiler.
 export CXX=${SPECDEC_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-g++}" )}
 export CC=${SPECDEC_CC:-$( [ -x /usr/bin/gcc ] && echo /usr/bin/gcc || echo "${CC:-gcc}" )}
+# On the GPU machine (the device tool sets OUT) the copy's .git may be stale: no commit unless passed.
+if [ -z "${SPECDEC_COMMIT:-}" ] && [ -n "${OUT:-}" ]; then export SPECDEC_COMMIT=unknown; fi
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 SWEEP=${1:-core}
@@ -136,7 +144,8 @@ if [ -n "${AB_BASE:-}" ]; then
   root=$(pwd)
   for side in base this; do
     dir=$root; [ $side = base ] && dir=/tmp/ab_base
-    (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 "$root/benchmarks/tune_cuda_plan.py" --out "$OUT/ab_$side" \
+    commit=${SPECDEC_COMMIT:-}; [ $side = base ] && commit=${AB_BASE_COMMIT:-unknown}
+    (cd "$dir" && SPECDEC_COMMIT=$commit PYTHONPATH=$dir timeout 150 python3 "$root/benchmarks/tune_cuda_plan.py" --out "$OUT/ab_$side" \
       --units-per-slot ${AB_UNITS:-default} --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
       2>&1 | sed "s/^/$side: /" | tee -a "$OUT/run.log" | tail -8)
   done
