@@ -119,28 +119,39 @@ def test_gpu_uniform_batches_match_reference(backend, vocab, dtype, draft_probs,
     assert rate >= 0.99, f"{backend}: {rate:.4%} of {total} requests agree"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])
+# The fused backends on their devices: the GPU's, or Triton under the interpreter in CI.
+FUSED_ON_DEVICES = ([(b, "cuda") for b in gpu_backends()] if HAS_CUDA
+                    else [("triton", "cpu")] if TRITON_ON_CPU and "triton" in gpu_backends() else [])
+
+
+@pytest.mark.parametrize("backend,device", FUSED_ON_DEVICES)
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_gpu_uniform_shape_with_malformed_offsets_matches_reference(backend, draft_probs):
+def test_uniform_shape_with_malformed_offsets_matches_reference(backend, device, draft_probs):
     """num_drafts == B * max_spec_len while the offsets are not b * max_spec_len (a request
-    with more drafts than max_spec_len, one with none, a decreasing pair): the CUDA kernel's
-    guessed rows miss, and it must wait for those copies and stream the rows the offsets name;
-    every token equals the reference's (six requests, fixed seed: a near-tie is improbable)."""
+    with more drafts than max_spec_len, one with none, a decreasing pair): the kernels' guessed
+    rows miss, and they must stream the rows the offsets name instead (the CUDA kernel waits for
+    the guessed copies; a Triton program streams its own row again into its own slot's chunk
+    table); every token equals the reference's (six requests, three fixed seeds, with and without
+    accepted chains: one seed's tokens can match a wrong row's by chance; a near-tie is
+    improbable)."""
     batch, k, vocab = 6, 3, 5000
-    args = list(random_batch(batch, k, vocab, draft_probs=draft_probs, uniform=True, seed=5))
     cu = [0, 0, 6, 9, 8, 15, 18]
-    logits, drafts = args[0], args[1]
-    for b in range(batch):  # drafts likely under the rows these offsets name, so chains get accepted
-        for t in range(max(0, min(cu[b + 1] - cu[b], k))):
-            logits[cu[b] + b + t, drafts[cu[b] + t]] += 12.0
-    args[2] = torch.tensor(cu, dtype=torch.int32)
-    args[4] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.7, 1.0])
-    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
-    out, num = specdec_kernels.rejection_sample(*args, backend=backend)
-    assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu())
+    for seed, boost in ((5, 12.0), (6, 12.0), (0, 0.0)):
+        args = list(random_batch(batch, k, vocab, draft_probs=draft_probs, uniform=True, seed=seed))
+        logits, drafts = args[0], args[1]
+        for b in range(batch):  # drafts likely under the rows these offsets name, so chains get accepted
+            for t in range(max(0, min(cu[b + 1] - cu[b], k))):
+                logits[cu[b] + b + t, drafts[cu[b] + t]] += boost
+        # Rows shifted apart (q is not): a wrong row's max and sum would scale q by e^8 or more
+        # (with draft probabilities the residual pass reads the right row again, so only the
+        # statistics would be wrong).
+        logits += 8.0 * (torch.arange(logits.shape[0]) % 4)[:, None]
+        args[2] = torch.tensor(cu, dtype=torch.int32)
+        args[4] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.7, 1.0])  # a greedy and a random request miss
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
+        out, num = specdec_kernels.rejection_sample(*args, backend=backend)
+        assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu()), seed
 
 
 @pytest.mark.gpu

@@ -33,6 +33,12 @@ import triton.language as tl
 
 from .philox import NODE_BITS, SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # pragma: no cover - older Triton: launched without it
+    _gdc_wait = _gdc_launch_dependents = None
+
 LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
 BIG_INDEX = 2147483647
@@ -111,10 +117,14 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 
 @triton.jit
 def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
-                       table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+                       table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                       first_raw=None, HAS_FIRST: tl.constexpr = False):
     """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
-    this one is reduced."""
-    raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
+    this one is reduced. HAS_FIRST: tile g_lo is ``first_raw``, loaded by the caller."""
+    if HAS_FIRST:
+        raw_next = first_raw
+    else:
+        raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
     for grp in range(g_lo, g_hi):
         raw = raw_next
         raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=grp + 1 < g_hi, other=0.0)
@@ -156,10 +166,11 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 @triton.jit
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                  HAS_FILTERS: tl.constexpr):
+                  HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
-    below the row's threshold thr count as -inf."""
+    below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
+    loaded with entries past the vocabulary as -inf, is ``first_raw``."""
     NEG_INF: tl.constexpr = float("-inf")
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
     # combined once at the end, so the loop has no cross-warp reduction.
@@ -179,7 +190,7 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
         else:
             m_vec, s_vec, am_vec = _stream_full_tiles(
                 row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
-                am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
@@ -187,7 +198,10 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
         in_row = offs < vocab_size
         if HAS_FILTERS:
             in_row = in_row & _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr, num_chunks)[:, None]
-        raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
+        if HAS_FIRST:
+            raw = tl.where(tail == g_lo, first_raw, tl.load(row_ptr + offs, mask=in_row & (tail != g_lo), other=NEG_INF))
+        else:
+            raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
         m_vec, s_vec, am_vec = _stream_tile(
             raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
             excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
@@ -215,12 +229,13 @@ def _kept_set_record(kept_m_ptr, kept_z, slot, s_idx):
 
 
 @triton.jit
-def _row_table(table_m_ptr, table_w_ptr, row, cmax_ptr, kept_w_ptr, kept_z_ptr, slot, num_chunks,
+def _row_table(table_m_ptr, table_w_ptr, table_slot, cmax_ptr, kept_w_ptr, kept_z_ptr, slot, num_chunks,
                HAS_FILTERS: tl.constexpr):
-    """A row's chunk table (maxima, totals): the one its stream wrote, or the threshold pass's for
+    """A row's chunk table (maxima, totals): the one its stream wrote (at ``table_slot``: the
+    tree kernel indexes its tables by row, the chain kernel by slot), or the threshold pass's for
     a row verified from its kept set (kept_z > 0)."""
-    table_m_row = table_m_ptr + row * num_chunks
-    table_w_row = table_w_ptr + row * num_chunks
+    table_m_row = table_m_ptr + table_slot * num_chunks
+    table_w_row = table_w_ptr + table_slot * num_chunks
     if HAS_FILTERS:
         if tl.load(kept_z_ptr + slot) > 0.0:
             table_m_row = cmax_ptr + slot * num_chunks
@@ -439,10 +454,15 @@ def _rejection_sample_kernel(
     ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
-    HAS_FILTERS: tl.constexpr,
+    HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
+    if USE_PDL:
+        # Programmatic dependent launch (sm_90+): nothing is read or written before the kernel
+        # ahead of this one in the stream has completed; then the next launch may begin.
+        _gdc_wait()
+        _gdc_launch_dependents()
     if HAS_DRAFT_PROBS:
         # Tickets hand out units in the order programs start (see module docstring).
         unit = tl.atomic_add(counter_ptr + 2 * num_requests, 1, sem="relaxed")
@@ -460,6 +480,27 @@ def _rejection_sample_kernel(
         s_idx = (unit - units_phase1) % residual_splits
         b = (unit - units_phase1) // residual_splits // residual_rows
         t = (unit - units_phase1) // residual_splits % residual_rows
+    # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
+    lane = tl.arange(0, CHUNK)[None, :]
+    chunk_in_group = tl.arange(0, GROUP)
+    if is_phase1:
+        g_lo = s_idx * groups_per_split
+        g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
+    else:
+        g_lo = s_idx * residual_groups_per_split
+        g_hi = tl.minimum(g_lo + residual_groups_per_split, num_groups)
+    if UNIFORM:
+        # Rows before offsets (docs/PERF.md): every request has max_spec_len drafts, so with
+        # well-formed offsets (cu[b] = b * max_spec_len) row (b, t) is b (max_spec_len + 1) + t and
+        # its draft b max_spec_len + t. The split's first tile and the draft id are loaded with
+        # the request's fields instead of after them; the fields confirm the guess below.
+        guess_ptr = logits_ptr + (b * (max_spec_len + 1) + t).to(tl.int64) * logits_row_stride
+        first_offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
+        first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
+        guess_excluded = tl.full([], -1, tl.int32)
+        if not HAS_DRAFT_PROBS:
+            x_guess = tl.load(draft_ids_ptr + b * max_spec_len + t, mask=t < max_spec_len, other=-1).to(tl.int64)
+            guess_excluded = tl.where((x_guess >= 0) & (x_guess < vocab_size), x_guess, -1).to(tl.int32)
     cu_lo = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_spec_len)
     if HAS_TEMPERATURE:
@@ -473,43 +514,54 @@ def _rejection_sample_kernel(
         offset = tl.load(offsets_ptr + b).to(tl.int64)
     else:
         offset = tl.zeros([], tl.int64)
-    # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
-    lane = tl.arange(0, CHUNK)[None, :]
-    chunk_in_group = tl.arange(0, GROUP)
-    if is_phase1:
-        g_lo = s_idx * groups_per_split
-        g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
-    else:
-        g_lo = s_idx * residual_groups_per_split
-        g_hi = tl.minimum(g_lo + residual_groups_per_split, num_groups)
 
     if is_phase1:
+        # Chunk tables are per (request, position) slot, not per row: a unit that streamed a
+        # wrong guess (malformed offsets) streams its own row again into its own slot.
+        slot = b * (max_spec_len + 1) + t
+        table_m_row = table_m_ptr + slot * num_chunks
+        table_w_row = table_w_ptr + slot * num_chunks
+        if UNIFORM:
+            m_run, s_run, am_run = _stream_split(
+                guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
+                guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True)
+        else:
+            m_run = tl.full([], NEG_INF, tl.float32)
+            s_run = tl.zeros([], tl.float32)
+            am_run = tl.full([], -1, tl.int32)
+        if UNIFORM:
+            miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
+        else:
+            miss = tl.full([], True, tl.int1)
+        if miss:
+            # Ragged batches, and the guess's misses (malformed offsets only).
+            if t <= n:
+                row = cu_lo + b + t
+                row_ok = (row >= 0) & (row < num_rows)
+                row_ptr = logits_ptr + row * logits_row_stride
+                excluded = tl.full([], -1, tl.int32)
+                if not HAS_DRAFT_PROBS:
+                    d = cu_lo + t
+                    if (t < n) & (d >= 0) & (d < num_drafts):
+                        x_d = tl.load(draft_ids_ptr + d).to(tl.int64)
+                        excluded = tl.where((x_d >= 0) & (x_d < vocab_size), x_d, -1).to(tl.int32)
+                # Sampling filters: the threshold pass (triton_filters.py) gave the row's threshold
+                # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read, and
+                # a row whose whole kept set the pass held (kept_z > 0) is not read at all.
+                thr_row = tl.full([], NEG_INF, tl.float32)
+                kept_z = tl.zeros([], tl.float32)
+                if HAS_FILTERS:
+                    thr_row = tl.load(thr_ptr + slot)
+                    kept_z = tl.load(kept_z_ptr + slot)
+                if kept_z > 0.0:
+                    # Its statistics are the pass's, its chunk table too (``_row_table``).
+                    m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, slot, s_idx)
+                else:
+                    m_run, s_run, am_run = _stream_split(
+                        row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
+                        chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+                        HAS_FILTERS)
         if t <= n:
-            row = cu_lo + b + t
-            row_ok = (row >= 0) & (row < num_rows)
-            row_ptr = logits_ptr + row * logits_row_stride
-            excluded = tl.full([], -1, tl.int32)
-            if not HAS_DRAFT_PROBS:
-                d = cu_lo + t
-                if (t < n) & (d >= 0) & (d < num_drafts):
-                    excluded = tl.load(draft_ids_ptr + d).to(tl.int32)
-            # Sampling filters: the threshold pass (triton_filters.py) gave the row's threshold
-            # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read, and
-            # a row whose whole kept set the pass held (kept_z > 0) is not read at all.
-            slot = b * (max_spec_len + 1) + t
-            thr_row = tl.full([], NEG_INF, tl.float32)
-            kept_z = tl.zeros([], tl.float32)
-            if HAS_FILTERS:
-                thr_row = tl.load(thr_ptr + slot)
-                kept_z = tl.load(kept_z_ptr + slot)
-            if kept_z > 0.0:
-                # Its statistics are the pass's, its chunk table too (``_row_table``).
-                m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, slot, s_idx)
-            else:
-                m_run, s_run, am_run = _stream_split(
-                    row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
-                    chunk_in_group, k, greedy, excluded, table_m_ptr + row * num_chunks,
-                    table_w_ptr + row * num_chunks, num_chunks, CHUNK, GROUP, HAS_FILTERS)
             rec = (b * (max_spec_len + 1) + t) * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
@@ -539,9 +591,10 @@ def _rejection_sample_kernel(
                         row_ok = (row >= 0) & (row < num_rows)
                         row_ptr = logits_ptr + row * logits_row_stride
                         x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
-                        table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, row, cmax_ptr, kept_w_ptr,
-                                                              kept_z_ptr, b * (max_spec_len + 1) + t_star,
-                                                              num_chunks, HAS_FILTERS)
+                        slot_star = b * (max_spec_len + 1) + t_star
+                        table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, slot_star, cmax_ptr,
+                                                              kept_w_ptr, kept_z_ptr, slot_star, num_chunks,
+                                                              HAS_FILTERS)
                         chunk = _race_winner(table_m_row, table_w_row, num_chunks, _pick(row_max, rows, t_star), k,
                                              seed, offset, t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
                         token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
@@ -644,9 +697,9 @@ def _rejection_sample_kernel(
                 if token < 0:
                     # q's own sample of row t*: the bonus, an invalid draft's row, or a residual
                     # with no mass (q == p up to rounding), with the same noise.
-                    table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, row, cmax_ptr, kept_w_ptr,
-                                                          kept_z_ptr, b * (max_spec_len + 1) + t_star, num_chunks,
-                                                          HAS_FILTERS)
+                    slot_star = b * (max_spec_len + 1) + t_star
+                    table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, slot_star, cmax_ptr, kept_w_ptr,
+                                                          kept_z_ptr, slot_star, num_chunks, HAS_FILTERS)
                     chunk = _race_winner(table_m_row, table_w_row, num_chunks, m_w, k, seed, offset, t_star, True,
                                          CHUNKS_PAD, STREAM_SAMPLE)
                     token = _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, -1, m_w,
@@ -695,6 +748,17 @@ def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # interpreter: a few splits so the combine paths are exercised
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch for the chain kernel: on CUDA devices of compute
+    capability 9.0+ when this Triton has grid dependency control, unless SPECDEC_TRITON_PDL=0
+    (read once per device). The next kernel in the stream may then be scheduled while this one
+    drains; each kernel still waits for the one before it (``_gdc_wait``)."""
+    if device.type != "cuda" or _gdc_wait is None or os.environ.get("SPECDEC_TRITON_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _row_split(device: torch.device, rows: int, num_groups: int, num_splits: int | None = None) -> tuple[int, int]:
@@ -748,13 +812,14 @@ def rejection_sample_triton(
     units_phase2 = B * residual_rows * residual_splits if has_draft_probs else 0
     units_total = units_phase1 + units_phase2
     # Records: (max, sum) per unit in f32, argmax per unit in i32; chunk tables (max, total)
-    # per target row; residual tables and residual masses per (request, residual row).
-    n_table = R * num_chunks
+    # per (request, position) slot; residual tables and residual masses per (request, residual
+    # row).
+    slots = B * (L + 1)
+    n_table = slots * num_chunks
     n_residual = B * residual_rows * num_chunks
     n_f32 = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
     has_filters = top_k is not None or top_p is not None or min_p is not None
-    slots = B * (L + 1)
     flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
     filt = (f32,) * 5  # unused without filters
@@ -764,6 +829,7 @@ def rejection_sample_triton(
             cu_num_draft_tokens, temperature, top_k, top_p, min_p, tree=False, num_requests=B, slots=slots,
             max_rows=L + 1, num_splits=num_splits, num_groups=num_groups, num_warps=NUM_WARPS,
             excluded_drafts=None if has_draft_probs else draft_token_ids)
+    use_pdl = pdl_enabled(device)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
@@ -798,6 +864,11 @@ def rejection_sample_triton(
         STREAM_ACCEPT=STREAM_ACCEPT,
         STREAM_SAMPLE=STREAM_SAMPLE,
         HAS_FILTERS=has_filters,
+        # Every request with max_spec_len drafts (the padded wrapper, an engine at one K): rows
+        # are guessed before the offsets arrive. Filtered rows read their threshold first.
+        UNIFORM=draft_token_ids.shape[0] == B * L and not has_filters,
+        USE_PDL=use_pdl,
         num_warps=NUM_WARPS,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out_tokens, num_accepted
