@@ -72,7 +72,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--units-per-slot", default="1,2,3,4,6,8",
                     help="comma list of SPECDEC_CUDA_UNITS_PER_SLOT values; 'default': the knob unset")
-    ap.add_argument("--shapes", default="chain,1,bf16,none;chain,8,bf16,none;chain,32,bf16,none;"
+    ap.add_argument("--shapes", help="op,B,dtype,probs[,backend];... (backend cuda unless named; the "
+                    "units-per-slot knob only moves the CUDA plans)", default="chain,1,bf16,none;chain,8,bf16,none;chain,32,bf16,none;"
                     "chain,128,bf16,none;chain,32,fp32,fp32;chain,128,fp32,fp32;tree,1,bf16,none;tree,32,bf16,none")
     ap.add_argument("--profile-one", default=None,
                     help="op,B,dtype,probs[,backend]: three eager calls (for ncu), no timing")
@@ -105,17 +106,18 @@ def main():
     bandwidth = chain_bench.copy_bandwidth()
     rows = []
     for shape in args.shapes.split(";"):
-        op, b, dtype, probs = shape.split(",")
+        op, b, dtype, probs, *backend = shape.split(",")  # backend: cuda unless named
+        backend = backend[0] if backend else "cuda"
         batch, has_probs = int(b), probs != "none"
         per_set = batch * (64 if op == "tree" else 5) * args.vocab * (DTYPES[dtype].itemsize + 4 * has_probs)
         n_sets = max(2, min(16, int(4e9 // per_set)))
-        fns = [make(op, batch, dtype, has_probs, s, args.vocab) for s in range(n_sets)]
+        fns = [make(op, batch, dtype, has_probs, s, args.vocab, backend) for s in range(n_sets)]
         fl = floor(op, batch, dtype, has_probs, args.vocab, bandwidth)
         us = chain_bench.time_graph(fns)
-        rows.append(dict(info, op=op, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
+        rows.append(dict(info, op=op, backend=backend, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
                          units_per_slot=ups, floor_us=round(fl, 2), graph_us=round(us, 2),
                          graph_over_floor=round(us / fl, 3)))
-        print(f"{op:5s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>7s}: "
+        print(f"{op:5s} {backend:6s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>7s}: "
               f"{us:8.1f} us  floor {fl:7.1f}  ({us / fl:5.2f}x)", flush=True)
         del fns
         torch.cuda.empty_cache()
