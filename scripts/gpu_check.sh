@@ -37,6 +37,10 @@
 #                                               tree built with -DSPECDEC_TRACE in /tmp/trace, next
 #                                               to the main build; per-CTA timelines of the CUDA
 #                                               chain kernel on TRACE_SHAPES, TRACE_ARGS)
+#   PROBE=1                                    (benchmarks/bench_stream_probe.py: pure-read kernels of
+#                                               the floor's bytes, graph-timed like the op, next to the
+#                                               op: the practical floor of one launch; into
+#                                               $OUT/stream_probe, PROBE_ARGS e.g. "--batches 32 --no-ours")
 #   SPECDEC_COMMIT=abc1234                     (the commit the copied tree is, for the CSVs' commit
 #                                               column; pass it expanded on the local side, e.g.
 #                                               SPECDEC_COMMIT=$(git rev-parse --short HEAD) written
@@ -167,6 +171,12 @@ if [ "${TRACE:-0}" = "1" ]; then
   (cd /tmp/trace && PYTHONPATH=/tmp/trace timeout 200 python3 benchmarks/trace_chain_timeline.py \
     --out "$OUT/trace_chain_timeline" ${TRACE_SHAPES:+--shapes "$TRACE_SHAPES"} ${TRACE_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -20)
   echo "trace: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ "${PROBE:-0}" = "1" ]; then
+  start=$(date +%s)
+  timeout 200 python3 benchmarks/bench_stream_probe.py --out "$OUT/stream_probe" ${PROBE_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | tail -30
+  echo "stream probe: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 [ "${BENCH:-core}" = "0" ] && exit 0
