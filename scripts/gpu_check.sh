@@ -33,6 +33,12 @@
 #   PDL_AB=1                                   (tune_cuda_plan.py on AB_SHAPES with SPECDEC_CUDA_PDL=0
 #                                               and =1: programmatic dependent launch off / on,
 #                                               same build, same card)
+#   ENV_AB="A=0|A=1 B=2"                       (tune_cuda_plan.py on AB_SHAPES once per '|'-separated
+#                                               set of environment assignments, same build, same
+#                                               card: e.g. SPECDEC_CUDA_PREFETCH_AHEAD=0 or
+#                                               SPECDEC_TRITON_PDL=0 against the default; 'default'
+#                                               = none; into $OUT/env_ab_<i>)
+#   AB_TIMEOUT=150                             (seconds per side / set of the A/B timings above)
 #   TRACE=1                                    (benchmarks/trace_chain_timeline.py: a copy of this
 #                                               tree built with -DSPECDEC_TRACE in /tmp/trace, next
 #                                               to the main build; per-CTA timelines of the CUDA
@@ -149,7 +155,7 @@ if [ -n "${AB_BASE:-}" ]; then
   for side in base this; do
     dir=$root; [ $side = base ] && dir=/tmp/ab_base
     commit=${SPECDEC_COMMIT:-}; [ $side = base ] && commit=${AB_BASE_COMMIT:-unknown}
-    (cd "$dir" && SPECDEC_COMMIT=$commit PYTHONPATH=$dir timeout 150 python3 "$root/benchmarks/tune_cuda_plan.py" --out "$OUT/ab_$side" \
+    (cd "$dir" && SPECDEC_COMMIT=$commit PYTHONPATH=$dir timeout ${AB_TIMEOUT:-150} python3 "$root/benchmarks/tune_cuda_plan.py" --out "$OUT/ab_$side" \
       --units-per-slot ${AB_UNITS:-default} --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
       2>&1 | sed "s/^/$side: /" | tee -a "$OUT/run.log" | tail -8)
   done
@@ -164,6 +170,20 @@ if [ "${PDL_AB:-0}" = "1" ]; then
       2>&1 | sed "s/^/pdl=$pdl: /" | tee -a "$OUT/run.log" | tail -12
   done
   echo "pdl a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+fi
+
+if [ -n "${ENV_AB:-}" ]; then
+  start=$(date +%s)
+  i=0
+  IFS='|' read -ra env_sets <<<"$ENV_AB"
+  for set in "${env_sets[@]}"; do
+    i=$((i + 1))
+    [ "$set" = default ] && set=""
+    env $set timeout ${AB_TIMEOUT:-150} python3 benchmarks/tune_cuda_plan.py --out "$OUT/env_ab_$i" --units-per-slot default \
+      --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
+      2>&1 | sed "s/^/[${set:-default}] /" | tee -a "$OUT/run.log" | tail -16
+  done
+  echo "env a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
 if [ "${TRACE:-0}" = "1" ]; then
