@@ -178,16 +178,6 @@ inline int64_t units_per_slot_override() {
   return override_value;
 }
 
-// SPECDEC_CUDA_PREFETCH_AHEAD=0 turns off the chain kernel's L2 prefetch of the next wave's tiles
-// (plan.prefetch_ahead; benchmarks time it off and on in one build). Read once per process.
-inline bool prefetch_ahead_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("SPECDEC_CUDA_PREFETCH_AHEAD");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  return enabled;
-}
-
 // Programmatic dependent launch (docs/PERF.md "Launch overlap and warp reductions"): on sm_90
 // and newer the kernels are launched so that their CTAs become resident while the previous
 // kernel in the stream drains; they execute griddepcontrol.wait before reading or writing any

@@ -85,12 +85,11 @@ void launch(const Call& call) {
   const int64_t vocab = call.logits.size(1);
   // Calls with sampling filters run the instance with the filter paths; the others one without.
   const bool filtered = call.row_thresholds.defined();
-  RejectionSamplePlan plan =
+  const RejectionSamplePlan plan =
       specdec::plan_rejection_sample(num_rows, call.num_requests, vocab, call.max_spec_len, kHasDraftProbs,
                                      filtered ? concurrent_ctas<T, P, kMethod, true>(device.index())
                                               : concurrent_ctas<T, P, kMethod, false>(device.index()),
                                      kMethod, binding::units_per_slot_override());
-  if (!binding::prefetch_ahead_enabled()) plan.prefetch_ahead = 0;
   TORCH_CHECK(plan.units_total <= std::numeric_limits<int32_t>::max(), kOp, ": the batch needs ",
               plan.units_total, " work units, more than one launch can have (2^31 - 1)");
 
@@ -310,8 +309,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 
 // The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py pins its rules):
 // [num_splits, tiles_per_split, units_phase1, units_total, residual_splits,
-// residual_tiles_per_split, prefetch_residual, prefetch_ahead]. units_per_slot 0: the shipped
-// plan; > 0: that target, rules off (what SPECDEC_CUDA_UNITS_PER_SLOT does).
+// residual_tiles_per_split, prefetch_residual]. units_per_slot 0: the shipped plan; > 0: that
+// target, rules off (what SPECDEC_CUDA_UNITS_PER_SLOT does).
 std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_requests, int64_t vocab, int64_t max_spec_len,
                                            bool has_draft_probs, int64_t concurrent_ctas, int64_t block_method,
                                            int64_t units_per_slot) {
@@ -319,7 +318,7 @@ std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_request
       num_rows, num_requests, vocab, max_spec_len, has_draft_probs, concurrent_ctas,
       block_method != 0 ? specdec::kRsMethodBlock : specdec::kRsMethodToken, units_per_slot);
   return {plan.num_splits, plan.tiles_per_split, plan.units_phase1, plan.units_total, plan.residual_splits,
-          plan.residual_tiles_per_split, plan.prefetch_residual, plan.prefetch_ahead};
+          plan.residual_tiles_per_split, plan.prefetch_residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

@@ -25,7 +25,7 @@ H100_TREE = 132 * 3
 
 def chain_plan(batch, k, *, probs=False, ctas=H100_16BIT, block=False, units_per_slot=0, vocab=V):
     """[num_splits, tiles_per_split, units_phase1, units_total, residual_splits, residual_tiles,
-    prefetch_residual, prefetch_ahead]."""
+    prefetch_residual]."""
     return list(torch.ops.specdec._rejection_sample_plan(batch * (k + 1), batch, vocab, k, probs, ctas,
                                                          int(block), units_per_slot))
 
@@ -53,12 +53,12 @@ def test_chain_plan_large_batch_rule_counts_rows_against_resident_ctas():
 def test_chain_plan_with_draft_probs():
     # fp32 + fp32 draft on an H100: 396 resident CTAs; 640 rows fill them -> 4 units per CTA for
     # phase 1 (3 splits of 6 tiles) and for the 128 residual rows (8 splits of 2).
-    assert chain_plan(128, 4, probs=True, ctas=H100_FP32_DRAFT) == [3, 6, 1920, 1920 + 1024, 8, 2, 0, 396]
+    assert chain_plan(128, 4, probs=True, ctas=H100_FP32_DRAFT) == [3, 6, 1920, 1920 + 1024, 8, 2, 0]
     # B = 32: no one-wave rule with draft probabilities; 2 units per CTA (ceil(792 / 160) = 5
     # wanted -> 4-tile splits -> 4 of them; the 32 residual rows: 16 one-tile splits).
-    assert chain_plan(32, 4, probs=True, ctas=H100_FP32_DRAFT) == [4, 4, 640, 640 + 32 * 16, 16, 1, 0, 396]
+    assert chain_plan(32, 4, probs=True, ctas=H100_FP32_DRAFT) == [4, 4, 640, 640 + 32 * 16, 16, 1, 0]
     # B = 1: 80 + 16 units, all resident at once: the residual units prefetch while they wait.
-    assert chain_plan(1, 4, probs=True, ctas=H100_FP32_DRAFT) == [16, 1, 80, 96, 16, 1, 1, 0]
+    assert chain_plan(1, 4, probs=True, ctas=H100_FP32_DRAFT) == [16, 1, 80, 96, 16, 1, 1]
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32, 128])
@@ -75,8 +75,8 @@ def test_chain_plan_covers_every_row_once():
             [1, 3, 8, 32, 100, 106, 128, 512], [0, 1, 4, 8], [False, True], [False, True], [264, 396, 528],
             [7, 32000, V]):
         case = dict(batch=batch, k=k, probs=probs, block=block, ctas=ctas, vocab=vocab)
-        splits, per, phase1, total, rsplits, rper, prefetch, ahead = chain_plan(
-            batch, k, probs=probs, ctas=ctas, block=block, vocab=vocab)
+        splits, per, phase1, total, rsplits, rper, prefetch = chain_plan(batch, k, probs=probs, ctas=ctas, block=block,
+                                                               vocab=vocab)
         tiles = -(-(-(-vocab // 256)) // 32)
         assert 1 <= splits <= 64 and 1 <= per <= 16, case
         assert (splits - 1) * per < tiles <= splits * per, case  # no empty split, every tile in one
@@ -87,14 +87,6 @@ def test_chain_plan_covers_every_row_once():
             assert prefetch == int(total <= ctas), case
         else:
             assert total == phase1 and prefetch == 0, case
-        # The next wave's tiles are prefetched one wave of units ahead, only when there is one.
-        assert ahead == (ctas if phase1 > ctas else 0), case
-
-
-@pytest.mark.parametrize("batch,ahead", [(1, 0), (8, 0), (16, 0), (24, 528), (32, 528), (128, 528)])
-def test_chain_plan_prefetches_the_next_wave_only_for_multi_wave_batches(batch, ahead):
-    # B = 8 and 16 take one wave (the one-wave rule); B = 24 and 32 take 960 units, 128 2560.
-    assert chain_plan(batch, 4)[7] == ahead
 
 
 def tree_plan(batch, nodes, *, probs=False, ctas=H100_TREE, units_per_slot=0):

@@ -226,11 +226,6 @@ struct RejectionSamplePlan {
   // 1: every unit is resident at once (small batches with draft probabilities), so phase-2 units
   // wait for most of phase 1; they prefetch the draft-probability tiles they may read into L2.
   int32_t prefetch_residual;
-  // > 0 (phase 1 takes more than one wave of resident CTAs): a phase-1 unit of a uniform batch,
-  // its stream done, prefetches into L2 the tiles of the unit this many units ahead -- about the
-  // unit that starts when a CTA of this wave ends -- so that DRAM keeps streaming while the
-  // wave's CTAs combine, count and hand over (docs/PERF.md, "Prefetching the next wave").
-  int32_t prefetch_ahead;
   int64_t units_phase1;
   int64_t units_total;
   int64_t num_counters;
@@ -350,7 +345,6 @@ inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_r
   }
   plan.units_phase1 = row_slots * plan.num_splits;
   plan.units_total = plan.units_phase1;
-  plan.prefetch_ahead = plan.units_phase1 > concurrent_ctas ? static_cast<int32_t>(concurrent_ctas) : 0;
   plan.residual_rows = 1;
   const bool block_residuals = has_draft_probs && method == kRsMethodBlock;
   if (has_draft_probs) {
@@ -1772,16 +1766,6 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
     }
   }
 
-  if constexpr (!kFiltered) {
-    // Multi-wave batches: the tiles of about the unit that will take over a CTA slot of this
-    // wave, into L2 while this unit's end runs (uniform batches: its row is known, and in range).
-    const int64_t ahead = static_cast<int64_t>(unit) + p.plan.prefetch_ahead;
-    if (uniform && p.plan.prefetch_ahead > 0 && ahead < p.plan.units_phase1) {
-      const int ahead_tile_lo = static_cast<int>(ahead % p.plan.num_splits) * p.plan.tiles_per_split;
-      prefetch_tiles_l2(static_cast<const T*>(p.target_logits) + (ahead / p.plan.num_splits) * p.logits_row_stride,
-                        p.vocab_size, ahead_tile_lo, min(ahead_tile_lo + p.plan.tiles_per_split, p.plan.num_tiles));
-    }
-  }
   __syncthreads();
   RS_TRACE(kRsTraceWaited, 0);
   // Combine the parts (warps for greedy rows, lane groups for random ones), warp 0; it samples
