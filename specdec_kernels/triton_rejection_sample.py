@@ -45,7 +45,11 @@ BIG_INDEX = 2147483647
 # Tile = GROUP chunks of 256 logits per loop iteration; tuning knobs (benchmarks/README.md).
 NUM_WARPS = int(os.environ.get("SPECDEC_TRITON_WARPS", "4"))
 GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "8"))
+# Set, SPECDEC_TRITON_PROGRAMS_PER_SM holds for every call; unset, 4, or PROGRAMS_PER_SM_WIDE for
+# the calls of wide_logit_rows().
+PROGRAMS_PER_SM_SET = "SPECDEC_TRITON_PROGRAMS_PER_SM" in os.environ
 PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
+PROGRAMS_PER_SM_WIDE = 8
 @triton.jit
 def _philox_words(seed, offset, stream: tl.constexpr, node, lane):
     """Philox4x32-10 words 0 and 1 of counter (lane, stream<<24 | node, offset_lo, offset_hi)."""
@@ -744,10 +748,21 @@ def _workspace(device: torch.device, n_f32: int, n_i32: int, n_counters: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     if device.type == "cuda":
-        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        return programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # interpreter: a few splits so the combine paths are exercised
+
+
+def wide_logit_rows(logits_dtype: torch.dtype, has_draft_probs: bool, num_rows: int, has_filters: bool) -> bool:
+    """Calls whose splits aim at PROGRAMS_PER_SM_WIDE programs per SM: 4-byte logits with draft
+    probabilities and at least 160 rows, unfiltered (docs/PERF.md, "Triton: rows before offsets,
+    launch overlap, programs per SM"). H100, fp32 + fp32 draft, K = 4, 4 -> 8 programs per SM:
+    B = 32 58.6 -> 54.4 us, B = 64 105.9 -> 92.1, B = 128 194.3 -> 167.3; B = 8 (40 rows) would
+    lose, 22.0 -> 24.9, and so would bf16 logits at B = 32 and 64 (with draft probabilities
+    34.3 -> 38.2 and 59.8 -> 61.9; without, 24.3 -> 30.4 and 42.0 -> 42.7)."""
+    return (not PROGRAMS_PER_SM_SET and logits_dtype.itemsize == 4 and has_draft_probs and num_rows >= 160
+            and not has_filters)
 
 
 @functools.lru_cache(maxsize=None)
@@ -761,12 +776,13 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _row_split(device: torch.device, rows: int, num_groups: int, num_splits: int | None = None) -> tuple[int, int]:
+def _row_split(device: torch.device, rows: int, num_groups: int, num_splits: int | None = None,
+               programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(splits per row, tiles per split) for ``rows`` rows of ``num_groups`` tiles: enough
-    programs to fill the GPU (_target_programs), or ``num_splits`` when given, at most one split
-    per tile, then as many splits as the tiles per split need."""
+    programs to fill the GPU (_target_programs: programs_per_sm per SM), or ``num_splits`` when
+    given, at most one split per tile, then as many splits as the tiles per split need."""
     if num_splits is None:
-        num_splits = triton.cdiv(_target_programs(device), max(rows, 1))
+        num_splits = triton.cdiv(_target_programs(device, programs_per_sm), max(rows, 1))
     groups_per_split = triton.cdiv(num_groups, max(1, min(num_splits, num_groups)))
     return triton.cdiv(num_groups, groups_per_split), groups_per_split
 
@@ -802,10 +818,13 @@ def rejection_sample_triton(
         return out_tokens, num_accepted
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_groups = triton.cdiv(num_chunks, GROUP)
-    num_splits, groups_per_split = _row_split(device, R, num_groups, num_splits)
     has_draft_probs = draft_probs is not None
+    has_filters = top_k is not None or top_p is not None or min_p is not None
+    per_sm = PROGRAMS_PER_SM_WIDE if wide_logit_rows(target_logits.dtype, has_draft_probs, R, has_filters) \
+        else PROGRAMS_PER_SM
+    num_splits, groups_per_split = _row_split(device, R, num_groups, num_splits, per_sm)
     # The residual reads one row per request: split it so the phase keeps the GPU busy too.
-    residual_splits, residual_groups_per_split = _row_split(device, B, num_groups)
+    residual_splits, residual_groups_per_split = _row_split(device, B, num_groups, None, per_sm)
     # Block verification with draft probabilities needs every draft row's residual.
     residual_rows = max(L, 1) if method == "block" else 1
     units_phase1 = B * (L + 1) * num_splits
@@ -819,7 +838,6 @@ def rejection_sample_triton(
     n_residual = B * residual_rows * num_chunks
     n_f32 = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
-    has_filters = top_k is not None or top_p is not None or min_p is not None
     flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
     filt = (f32,) * 5  # unused without filters
