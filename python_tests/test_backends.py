@@ -82,7 +82,7 @@ def test_triton_interpreter_block_sums_every_residual_split(monkeypatch, program
             seeds[b:b + 1], offsets[b:b + 1], max_len)
     ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference", method="block")
     assert int(ref_num[0]) == 1  # the case: one draft kept
-    monkeypatch.setattr(trs, "_target_programs", lambda device: programs)
+    monkeypatch.setattr(trs, "_target_programs", lambda device, programs_per_sm=None: programs)
     out, num = trs.rejection_sample_triton(*args, method="block")
     assert torch.equal(out, ref_out) and torch.equal(num, ref_num)
 
