@@ -239,13 +239,21 @@ def markdown_table(rows, info, bandwidth) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, info, path):
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a message) when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("# matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def plot(rows, info, path):
+    plt = pyplot()
+    if plt is None:
         return
     panels = [("bf16", "none", "bf16 logits, deterministic drafts"), ("fp32", "fp32", "fp32 logits + fp32 draft probs")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

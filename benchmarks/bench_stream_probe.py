@@ -317,12 +317,8 @@ def markdown_table(rows, info, bandwidth, cuda_note) -> str:
 
 
 def plot(rows, info, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib not installed: no plot")
+    plt = chain_bench.pyplot()
+    if plt is None:
         return
     panels = [(d, p) for d, p in CONFIGS.values() if any(r["logits_dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
