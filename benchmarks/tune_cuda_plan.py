@@ -73,8 +73,9 @@ def main():
     ap.add_argument("--units-per-slot", default="1,2,3,4,6,8",
                     help="comma list of SPECDEC_CUDA_UNITS_PER_SLOT values; 'default': the knob unset")
     ap.add_argument("--shapes", help="op,B,dtype,probs[,backend];... (backend cuda unless named; the "
-                    "units-per-slot knob only moves the CUDA plans)", default="chain,1,bf16,none;chain,8,bf16,none;chain,32,bf16,none;"
-                    "chain,128,bf16,none;chain,32,fp32,fp32;chain,128,fp32,fp32;tree,1,bf16,none;tree,32,bf16,none")
+                    "units-per-slot knob only moves the CUDA plans)",
+                    default="chain,1,bf16,none;chain,8,bf16,none;chain,32,bf16,none;chain,128,bf16,none;"
+                    "chain,32,fp32,fp32;chain,128,fp32,fp32;tree,1,bf16,none;tree,32,bf16,none")
     ap.add_argument("--profile-one", default=None,
                     help="op,B,dtype,probs[,backend]: three eager calls (for ncu), no timing")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # times one value, set in the env
