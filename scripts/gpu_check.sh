@@ -30,9 +30,9 @@
 #                                               on both, same call, same card;
 #                                               AB_UNITS=2: a units-per-slot override instead of
 #                                               the shipped plan)
-#   PDL_AB=1                                   (tune_cuda_plan.py on AB_SHAPES with SPECDEC_CUDA_PDL=0
-#                                               and =1: programmatic dependent launch off / on,
-#                                               same build, same card)
+#   PDL_AB=1                                   (ENV_AB below with SPECDEC_CUDA_PDL=0 and =1 first:
+#                                               programmatic dependent launch off / on, same
+#                                               build, same card; into $OUT/env_ab_1 and _2)
 #   ENV_AB="A=0|A=1 B=2"                       (tune_cuda_plan.py on AB_SHAPES once per '|'-separated
 #                                               set of environment assignments, same build, same
 #                                               card: e.g. SPECDEC_CUDA_PREFETCH_AHEAD=0 or
@@ -162,16 +162,8 @@ if [ -n "${AB_BASE:-}" ]; then
   echo "a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
-if [ "${PDL_AB:-0}" = "1" ]; then
-  start=$(date +%s)
-  for pdl in 0 1; do
-    SPECDEC_CUDA_PDL=$pdl timeout 150 python3 benchmarks/tune_cuda_plan.py --out "$OUT/pdl_$pdl" --units-per-slot default \
-      --shapes "${AB_SHAPES:-chain,1,bf16,none;chain,32,bf16,none;chain,128,bf16,none;chain,128,fp32,fp32;tree,32,bf16,none}" \
-      2>&1 | sed "s/^/pdl=$pdl: /" | tee -a "$OUT/run.log" | tail -12
-  done
-  echo "pdl a/b: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
-fi
-
+# PDL_AB is ENV_AB with programmatic dependent launch off, then on.
+[ "${PDL_AB:-0}" = "1" ] && ENV_AB="SPECDEC_CUDA_PDL=0|SPECDEC_CUDA_PDL=1${ENV_AB:+|$ENV_AB}"
 if [ -n "${ENV_AB:-}" ]; then
   start=$(date +%s)
   i=0
