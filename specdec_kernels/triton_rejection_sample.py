@@ -50,6 +50,8 @@ GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "8"))
 PROGRAMS_PER_SM_SET = "SPECDEC_TRITON_PROGRAMS_PER_SM" in os.environ
 PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
 PROGRAMS_PER_SM_WIDE = 8
+
+
 @triton.jit
 def _philox_words(seed, offset, stream: tl.constexpr, node, lane):
     """Philox4x32-10 words 0 and 1 of counter (lane, stream<<24 | node, offset_lo, offset_hi)."""
@@ -86,6 +88,14 @@ def _sanitize(logits):
     """NaN -> -inf, +inf -> FLT_MAX, in one clamp: min/max that drop NaN operands (as the
     GPU's max.f32 and the interpreter's fmax do)."""
     return tl.clamp(logits, float("-inf"), 3.4028234663852886e38)
+
+
+@triton.jit
+def _token_in_vocab(x, vocab_size):
+    """A draft id as the stream's exclusion uses it: x if it is in [0, V), else -1 (int32).
+    Compared in int64, so an int64 id outside the int32 range cannot alias a valid token."""
+    x = x.to(tl.int64)
+    return tl.where((x >= 0) & (x < vocab_size), x, -1).to(tl.int32)
 
 
 @triton.jit
@@ -203,7 +213,8 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
         if HAS_FILTERS:
             in_row = in_row & _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr, num_chunks)[:, None]
         if HAS_FIRST:
-            raw = tl.where(tail == g_lo, first_raw, tl.load(row_ptr + offs, mask=in_row & (tail != g_lo), other=NEG_INF))
+            raw = tl.where(tail == g_lo, first_raw,
+                           tl.load(row_ptr + offs, mask=in_row & (tail != g_lo), other=NEG_INF))
         else:
             raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
         m_vec, s_vec, am_vec = _stream_tile(
@@ -503,8 +514,8 @@ def _rejection_sample_kernel(
         first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
         guess_excluded = tl.full([], -1, tl.int32)
         if not HAS_DRAFT_PROBS:
-            x_guess = tl.load(draft_ids_ptr + b * max_spec_len + t, mask=t < max_spec_len, other=-1).to(tl.int64)
-            guess_excluded = tl.where((x_guess >= 0) & (x_guess < vocab_size), x_guess, -1).to(tl.int32)
+            x_guess = tl.load(draft_ids_ptr + b * max_spec_len + t, mask=t < max_spec_len, other=-1)
+            guess_excluded = _token_in_vocab(x_guess, vocab_size)
     cu_lo = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_spec_len)
     if HAS_TEMPERATURE:
@@ -529,13 +540,11 @@ def _rejection_sample_kernel(
             m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True)
+            miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
         else:
             m_run = tl.full([], NEG_INF, tl.float32)
             s_run = tl.zeros([], tl.float32)
             am_run = tl.full([], -1, tl.int32)
-        if UNIFORM:
-            miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
-        else:
             miss = tl.full([], True, tl.int1)
         if miss:
             # Ragged batches, and the guess's misses (malformed offsets only).
@@ -547,8 +556,7 @@ def _rejection_sample_kernel(
                 if not HAS_DRAFT_PROBS:
                     d = cu_lo + t
                     if (t < n) & (d >= 0) & (d < num_drafts):
-                        x_d = tl.load(draft_ids_ptr + d).to(tl.int64)
-                        excluded = tl.where((x_d >= 0) & (x_d < vocab_size), x_d, -1).to(tl.int32)
+                        excluded = _token_in_vocab(tl.load(draft_ids_ptr + d), vocab_size)
                 # Sampling filters: the threshold pass (triton_filters.py) gave the row's threshold
                 # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read, and
                 # a row whose whole kept set the pass held (kept_z > 0) is not read at all.
@@ -566,7 +574,7 @@ def _rejection_sample_kernel(
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
                         HAS_FILTERS)
         if t <= n:
-            rec = (b * (max_spec_len + 1) + t) * num_splits + s_idx
+            rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, am_run)
