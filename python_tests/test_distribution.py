@@ -58,9 +58,13 @@ def test_first_two_tokens_follow_the_target(backend, device, case):
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("num_drafts", [0, 1])
-def test_large_vocab_final_token_follows_the_target(backend, device, num_drafts):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_large_vocab_final_token_follows_the_target(backend, device, num_drafts, deterministic):
     """V spans several sampling chunks: the chunk race and the in-chunk inverse CDF, for the
-    bonus token (0 drafts) and for the residual max(0, q - p) (1 draft, often rejected)."""
+    bonus token (0 drafts) and for the residual (1 draft, often rejected): max(0, q - p), or q
+    without the draft for deterministic drafts (draft_probs=None: the first token follows q
+    whatever the drafts' law). Without draft probabilities the fused kernels take their other
+    instances (no residual pass; the draft left out of the stream's sample)."""
     vocab, batches, batch, groups = 9000, 6, 2000, 20
     g = torch.Generator().manual_seed(3)
     q = torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 1.2, -1)
@@ -70,7 +74,8 @@ def test_large_vocab_final_token_follows_the_target(backend, device, num_drafts)
     for i in range(batches):  # in pieces: the reference holds [B, K+1, V] in float64
         logits, drafts, cu, probs = chain_batch_iid(q, p, batch, num_drafts, generator=g, device=device)
         seeds = torch.arange(batch, dtype=torch.int64, device=device) + 99 + i * batch
-        out, _ = sampler(backend)(logits, drafts, cu, probs, None, seeds, None, num_drafts)
+        out, _ = sampler(backend)(logits, drafts, cu, None if deterministic else probs, None, seeds, None,
+                                  num_drafts)
         observed += np.bincount(group_of[out[:, 0].cpu().long().numpy()], minlength=groups)
     expected = np.bincount(group_of, weights=q.numpy(), minlength=groups)
     assert chi_square_pvalue(observed, expected) > P_MIN
