@@ -223,7 +223,8 @@ def main():
                         label = " ".join(f"{n.removeprefix('FILTER_').lower()}={v}" for n, v in knobs.items())
                         chosen = settings if args.knob_runs else ["k50 p0.9"]
                         todo = [(f"triton {name} {label}",
-                                 lambda inp, s=FILTER_SETTINGS[name]: op_call(inp, k, "triton", filter_tensors(batch, s)))
+                                 lambda inp, s=FILTER_SETTINGS[name]: op_call(inp, k, "triton",
+                                                                             filter_tensors(batch, s)))
                                 for name in chosen]
                     else:
                         todo = variants

@@ -44,7 +44,8 @@ def main(argv=None) -> None:
     print(f"backends: {available_backends()}")
     print(f"{batch} requests per setting, vocabulary {args.vocab}, draft tokens sampled from p, "
           "target q with sum_x min(p, q) = a exactly\n")
-    header = f"{'a':>5} {'K':>3} | {'tokens/step':>11} {'theory':>7} {'diff/SE':>7} | {'TV(emitted, q)':>14} {'TV exact sampler':>16}"
+    header = (f"{'a':>5} {'K':>3} | {'tokens/step':>11} {'theory':>7} {'diff/SE':>7} | "
+              f"{'TV(emitted, q)':>14} {'TV exact sampler':>16}")
     print(header)
     print("-" * len(header))
     g = torch.Generator().manual_seed(args.seed)

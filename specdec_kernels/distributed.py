@@ -357,8 +357,10 @@ def rejection_sample_vocab_parallel(
     x_ok = d_ok & (x >= 0) & (x < vocab_size)
     mine = x_ok & (x >= lo) & (x < hi)
     x_local = (x - lo).clamp(0, max(v_local - 1, 0))
-    l_x = torch.where(mine & row_ok[:, :L], sanitize_logits(target_logits[row_idx[:, :L].clamp(0, max(R - 1, 0)), x_local]
-                                            .to(compute_dtype)) if v_local and R else 0.0, _NEG_INF)
+    rows_x = row_idx[:, :L].clamp(0, max(R - 1, 0))
+    l_x = torch.where(mine & row_ok[:, :L],
+                      sanitize_logits(target_logits[rows_x, x_local].to(compute_dtype)) if v_local and R else 0.0,
+                      _NEG_INF)
     if draft_probs is not None:
         p_x = torch.where(mine, draft_probs[d_idx.clamp(0, max(N - 1, 0)), x_local].to(compute_dtype)
                           if v_local and N else 0.0, _NEG_INF)
@@ -577,8 +579,9 @@ def _sample_sharded(final: _FinalRows, with_q: bool, seeds, offsets, nodes, lo: 
     # In-chunk inverse CDF: the chunk total, and the mass held by lower vocabulary ranks.
     local_win = winner - c_first
     in_shard = found & (local_win >= 0) & (local_win < n_local_chunks)
-    win_total = torch.where(in_shard, totals[torch.arange(B, device=device), local_win.clamp(0, max(n_local_chunks - 1, 0))]
-                            if n_local_chunks else 0.0, 0.0)
+    win_local = local_win.clamp(0, max(n_local_chunks - 1, 0))
+    win_total = torch.where(in_shard, totals[torch.arange(B, device=device), win_local] if n_local_chunks else 0.0,
+                            0.0)
     before = torch.zeros(B, dtype=dtype, device=device)
     for w in range(all_edges.shape[0]):
         if w >= my_rank:

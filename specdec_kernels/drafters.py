@@ -22,7 +22,8 @@ from typing import Sequence
 
 import torch
 
-from .hf import Drafter, DraftChain, DraftTokenTree, ModelDrafter, PromptLookupDrafter, SamplingParams, TreeDrafter, TreeSpec
+from .hf import (Drafter, DraftChain, DraftTokenTree, ModelDrafter, PromptLookupDrafter, SamplingParams, TreeDrafter,
+                 TreeSpec)
 
 __all__ = ["DRAFTER_NAMES", "EarlyExitDrafter", "ModelDrafter", "PromptLookupDrafter", "RecordingDrafter",
            "TreeDrafter", "TreeSpec", "default_exit_layer", "early_exit_model", "make_drafter"]

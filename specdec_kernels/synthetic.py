@@ -181,8 +181,8 @@ def first_tokens_tree(tree_sampler, pair: MarkovPair, num_requests: int, tree_pa
         out, _, _ = tree_sampler(rows.reshape(m * n, vocab).to(logits_dtype).to(device),
                                  node_tok.reshape(-1).to(device), parents.to(device), cu.to(device),
                                  None if deterministic else draft.reshape(m * n, vocab).float().to(device),
-                                 temp.to(device), seeds.to(device), torch.full((m,), offset, dtype=torch.int64).to(device),
-                                 max_depth)
+                                 temp.to(device), seeds.to(device),
+                                 torch.full((m,), offset, dtype=torch.int64).to(device), max_depth)
         return out.cpu().long()
 
     seeds = torch.arange(num_requests, dtype=torch.int64) * 7919 + seed

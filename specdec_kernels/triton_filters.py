@@ -794,8 +794,9 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
     per row, bounds it) and return its ``RowThresholds`` (views of the workspace ``f32``, sized
     by ``threshold_workspace_sizes``). The verification kernel then treats every logit below its
     row's threshold as -inf and skips the chunks whose max is below it, or, for a row whose whole
-    kept set the search held (kept_z > 0), does not read the row at all. excluded_drafts (chain without draft probabilities): the draft token ids, left out of
-    row t's kept-set chunk table for t < n."""
+    kept set the search held (kept_z > 0), does not read the row at all. excluded_drafts (chain
+    without draft probabilities): the draft token ids, left out of row t's kept-set chunk table
+    for t < n."""
     R, V = target_logits.shape
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)

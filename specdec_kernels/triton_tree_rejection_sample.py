@@ -425,8 +425,8 @@ def _tree_rejection_sample_kernel(
                     token = _tree_final_token(
                         logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
                         table_m_row, table_w_row, table_r_ptr + b * num_chunks, tokens_ptr, parents_ptr, cu_lo, n,
-                        v, False, tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks, thr,
-                        HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
+                        v, False, tl.zeros([], tl.float32), row_max, row_sum, k, seed, offset, vocab_size, num_chunks,
+                        thr, HAS_DRAFT_PROBS, CHUNKS_PAD, CHUNK, NODE_BLOCK, STREAM_SAMPLE, HAS_FILTERS)
             out_tok = tl.where(depth_lanes == depth, token, out_tok)
             tl.store(out_tokens_ptr + b * (max_depth + 1) + depth_lanes, out_tok.to(tl.int32),
                      mask=depth_lanes <= max_depth)

@@ -574,7 +574,8 @@ def _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, v, start, en
         okw = (w[:, None] < W) & kid[None, :]
         ptr = gathered_ptr + (w[:, None].to(tl.int64) * N + j[None, :]) * (3 * S + 2) + 3 * S
         lx = tl.max(tl.load(ptr, mask=okw, other=float("-inf")), 0)
-        has_q = tl.where(m > float("-inf"), kid & (lx > float("-inf")), False)  # (scalar & vector trips the interpreter)
+        # (tl.where: scalar & vector trips the interpreter)
+        has_q = tl.where(m > float("-inf"), kid & (lx > float("-inf")), False)
         q_x = tl.where(has_q, tl.exp((lx - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
         loc = (j - start).to(tl.int32)
         a0, _a1 = _philox_words(seed, offset, _ACCEPT, loc, loc * 0)
