@@ -489,6 +489,34 @@ def test_triton_interpreter_agrees_with_reference(kept_set, draft_probs, method)
                   method) == 1.0
 
 
+WIDE_ID_BACKENDS = FUSED + ([("cuda", "cuda")] if HAS_CUDA and "triton" in gpu_backends()
+                             and ops.cuda_kernel_built() else [])
+
+
+@pytest.mark.parametrize("backend,device", WIDE_ID_BACKENDS)
+def test_wide_draft_id_is_not_excluded_from_the_kept_set(backend, device):
+    """An int64 draft id of 2^32 + x is outside [0, V): rejected, and its row's final token
+    comes from the whole filtered q, x included (the reference's rule). The kept-set chunk
+    table of the threshold pass (deterministic drafts) must not truncate the id to x and leave
+    x out. Every row keeps 2 tokens (top-k 2): x = the row's best, y the second, 300 tokens
+    apart (in another chunk of the table); a table without x would emit y every time."""
+    vocab, batch = 700, 16
+    logits = torch.full((2 * batch, vocab), -8.0)
+    best = torch.arange(batch) * 37 % vocab
+    rows = torch.arange(batch) * 2
+    logits[rows, best] = 1.0
+    logits[rows, (best + 300) % vocab] = 0.5
+    logits[rows + 1, 5] = 1.0
+    drafts = best.to(torch.int64) + 2**32
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    args = (logits, drafts, cu, None, torch.ones(batch), torch.arange(batch) * 7919 + 3, None, 1)
+    filters = (torch.full((batch,), 2), torch.ones(batch), torch.zeros(batch))
+    ref = specdec_kernels.rejection_sample(*args, "token", *filters, backend="reference")
+    assert (ref[1] == 0).all()
+    assert (ref[0][:, 0] == best).any() and (ref[0][:, 0] != best).any(), "premise: both kept tokens emitted"
+    assert _agree(backend, device, args, filters) == 1.0
+
+
 @interpreter_only
 @pytest.mark.parametrize("vocab,dtype", [(300, torch.float32), (2000, torch.bfloat16), (1, torch.float32)])
 def test_triton_interpreter_counting_passes_agree(small_bracket, vocab, dtype):

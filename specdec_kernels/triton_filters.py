@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .philox import SAMPLE_CHUNK
-from .triton_rejection_sample import _sanitize
+from .triton_rejection_sample import _sanitize, _token_in_vocab
 from .triton_tree_rejection_sample import _owner_request, _sanitized_cu
 
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
@@ -725,7 +725,7 @@ def _filter_threshold_kernel(
                     excluded = tl.full([], -1, tl.int32)
                     if EXCLUDE_DRAFT:
                         if (draft >= 0) & (draft < num_drafts):
-                            excluded = tl.load(draft_ids_ptr + draft).to(tl.int32)
+                            excluded = _token_in_vocab(tl.load(draft_ids_ptr + draft), vocab_size)
                     idx_row = _bracket_indices(scratch_row, CHUNKS_PAD, CHUNK, SUB, FINE_CHUNKS)
                     kept_w_row = kept_w_ptr + slot.to(tl.int64) * num_chunks
                     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
