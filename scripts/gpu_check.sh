@@ -9,10 +9,16 @@
 #   TESTS=none / BENCH=0                       (skip the tests / the kernel benchmark)
 #   VERIFY_SHARE=1                             (also benchmarks/bench_verify_share.py: the op's
 #                                               share of a verify step on random-weight LLMs)
-#   TEST_TIMEOUT=420                           (seconds for the whole test run)
+#   TEST_TIMEOUT=420                           (seconds for the whole test run; capped so that the
+#                                               run ends 20 s before CALL_LIMIT=590 seconds after
+#                                               this script started -- the device tool kills a call
+#                                               at 600 s, pytest's summary with it, and the build
+#                                               alone takes 110-150 s, on a warm machine too)
 #   The filter tests compile many variants of the filtered kernels (tens of seconds each on
 #   the GPU machine): give them their own call, e.g.
-#   TESTS=python_tests/test_filters.py TEST_TIMEOUT=540 BENCH=0 bash scripts/gpu_check.sh
+#   TESTS=python_tests/test_filters.py PYTEST_K=... BENCH=0 bash scripts/gpu_check.sh (a few at a
+#   time: its GPU agreement tests at V = 128256 took ~45 s each on an H200, 7 in 330 s;
+#   tests.log lists every test's result as it runs; CALL_LIMIT=100000 off the device tool)
 #   DIAGNOSE=1                                 (scripts/diagnose_block_agreement.py: block-mode
 #                                               disagreements with the reference, issue #9)
 #   FILTER_BENCH=1                             (benchmarks/bench_filters.py: issue #6's bar, with the
@@ -74,7 +80,8 @@ export PYTHONUNBUFFERED=1
   echo "host compilers: CC=$CC CXX=$CXX"
 } 2>&1 | tee "$OUT/env.txt"
 
-start=$(date +%s)
+script_start=$(date +%s)
+start=$script_start
 if [ -n "${AB_BASE:-}" ]; then  # the base tree builds in the background, next to this one
   rm -rf /tmp/ab_base && cp -r "$AB_BASE" /tmp/ab_base &&
     (cd /tmp/ab_base && SPECDEC_CUDA_ARCHS=${SPECDEC_CUDA_ARCHS:-90} python3 setup.py build_ext --inplace >"$OUT/build_ab_base.log" 2>&1) &
@@ -95,7 +102,11 @@ python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available
 
 if [ "${TESTS:-}" != "none" ]; then
   start=$(date +%s)
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rfE --timeout=180 ${TESTS:-python_tests} ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+  test_timeout=${TEST_TIMEOUT:-420}
+  left=$(( ${CALL_LIMIT:-590} - 20 - (start - script_start) ))
+  [ "$left" -lt "$test_timeout" ] && { test_timeout=$(( left > 30 ? left : 30 )); echo "tests capped at $test_timeout s"; }
+  # -v: tests.log names each test and its result as it runs (a killed run keeps what ran).
+  timeout $test_timeout python3 -m pytest -v -rfE --timeout=180 ${TESTS:-python_tests} ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
   echo "tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 
