@@ -20,3 +20,16 @@ def test_triton_kernel_compiles_for_sm90(kernel):
     done = subprocess.run([sys.executable, SCRIPT, kernel], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"compiled {kernel}" in done.stdout
+
+
+def test_chain_kernel_streams_with_16_byte_loads():
+    """The chain kernel compiled as the launcher's call is at V = 128256 (scripts/triton_sass.py):
+    its streaming loops load logits 16 bytes a thread (the floor needs vector loads; a change that
+    lost the tile's alignment would fall back to 2-byte loads and still pass every other test)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "triton_sass.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loops = [line for line in done.stdout.splitlines() if line.startswith("loop [")]
+    assert len(loops) >= 3, done.stdout
+    assert all(" 2 LDG.E.128" in line for line in loops), done.stdout

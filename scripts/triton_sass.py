@@ -1,0 +1,127 @@
+"""SASS of the Triton chain kernel's streaming loops, without a GPU: instruction counts.
+
+Compiles ``_rejection_sample_kernel`` for sm_90 the way the launcher's JIT call does on a GPU
+(16-byte aligned pointers and a row stride and vocabulary divisible by 16 marked as such, so
+loads vectorize as they do at V = 128256), assembles it with Triton's bundled ptxas and
+disassembles it with its nvdisasm, then prints the registers and, for each loop that streams
+logits (contains a 16-byte global load), its length and its most frequent instructions.
+
+    python scripts/triton_sass.py [--warps 4] [--set PIECES=1 --set HAS_DRAFT_PROBS=True ...]
+        [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
+
+The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
+draft's chunk), so the path a random request takes is shorter (docs/PERF.md, section "The
+Triton chain kernel's instructions").
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must give compilable functions
+sys.path.insert(0, str(ROOT / "python_tests"))
+sys.path.insert(0, str(ROOT))
+
+
+def _value(text: str):
+    return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+
+
+def compile_chain_kernel(warps: int, overrides: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton_sm90_compile as sm90
+    from specdec_kernels import triton_rejection_sample as module
+
+    fn = module._rejection_sample_kernel
+    names = list(fn.arg_names)
+    constexprs = [p.name for p in fn.params if p.is_constexpr]
+    flags = sm90.flags(constexprs)
+    values = {n: False if n in flags else sm90.constexpr_value(module, n) for n in constexprs}
+    # The benchmark's call: a uniform batch with temperatures, launch overlap on.
+    values.update({n: True for n in ("UNIFORM", "USE_PDL", "HAS_TEMPERATURE") if n in values})
+    values.update(overrides)
+    signature = {n: "constexpr" if n in values else
+                 sm90.pointer_type(module, n, "*bf16", "*fp32") if n.endswith("_ptr") else "i32" for n in names}
+    aligned = [i for i, n in enumerate(names)
+               if n not in values and (n.endswith("_ptr") or n in ("logits_row_stride", "vocab_size"))]
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "constexprs": values}
+
+
+def disassemble(ptx: str, workdir: Path) -> tuple[str, str]:
+    import triton
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    (workdir / "kernel.ptx").write_text(ptx)
+    subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", str(workdir / "kernel.ptx"), "-o",
+                    str(workdir / "kernel.cubin")], check=True)
+    sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(workdir / "kernel.cubin")], check=True,
+                          capture_output=True, text=True).stdout
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(workdir / "kernel.cubin")],
+                           capture_output=True, text=True).stdout
+    return sass, usage
+
+
+def streaming_loops(sass: str):
+    """(start, end, body) of each loop (a backward branch) whose body has a 16-byte global load."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"^\.(L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        op = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if op:
+            instructions.append(op.group(2).strip())
+    for end, text in enumerate(instructions):
+        target = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", text)
+        if target and labels.get(target.group(1), end + 1) <= end:
+            body = instructions[labels[target.group(1)]:end + 1]
+            if any("LDG.E.128" in op for op in body):
+                yield labels[target.group(1)], end, body
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's NUM_WARPS)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a constexpr of the kernel, e.g. PIECES=1 or HAS_DRAFT_PROBS=True")
+    parser.add_argument("--out", default=None, help="folder for the .ttgir / .ptx / .sass")
+    args = parser.parse_args()
+    from specdec_kernels import triton_rejection_sample as module
+    warps = args.warps or module.NUM_WARPS
+    overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
+    compiled = compile_chain_kernel(warps, overrides)
+    workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="triton_sass_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    sass, usage = disassemble(compiled["ptx"], workdir)
+    (workdir / "kernel.ttgir").write_text(compiled["ttgir"])
+    (workdir / "kernel.sass").write_text(sass)
+    registers = re.search(r"REG:(\d+)", usage)
+    print(f"sm_90, {warps} warps, {registers.group(1) if registers else '?'} registers, "
+          f"{sass.count(';')} instructions; constexprs {compiled['constexprs']}")
+    for line in compiled["ttgir"].splitlines():
+        if line.startswith("#blocked"):
+            print(" ", line.split("=", 1)[0].strip(), line.split("<", 1)[1].rstrip(">"))
+    for start, end, body in streaming_loops(sass):
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for op in body)
+        top = ", ".join(f"{n} {op}" for op, n in ops.most_common(8))
+        print(f"loop [{start}, {end}]: {len(body)} instructions, {ops['LDG.E.128']} LDG.E.128, "
+              f"{sum(op.startswith('BAR') for op in ops.elements())} BAR, {ops['SHFL.BFLY']} SHFL | {top}")
+    print(f"files: {workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
