@@ -6,7 +6,7 @@ loads vectorize as they do at V = 128256), assembles it with Triton's bundled pt
 disassembles it with its nvdisasm, then prints the registers and, for each loop that streams
 logits (contains a 16-byte global load), its length and its most frequent instructions.
 
-    python scripts/triton_sass.py [--warps 4] [--set PIECES=1 --set HAS_DRAFT_PROBS=True ...]
+    python scripts/triton_sass.py [--warps 4] [--logits fp32] [--set HAS_DRAFT_PROBS=True ...]
         [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
 
 The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
@@ -34,7 +34,7 @@ def _value(text: str):
     return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
 
 
-def compile_chain_kernel(warps: int, overrides: dict) -> dict:
+def compile_chain_kernel(warps: int, overrides: dict, logits: str = "bf16") -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,7 +51,7 @@ def compile_chain_kernel(warps: int, overrides: dict) -> dict:
     values.update({n: True for n in ("UNIFORM", "USE_PDL", "HAS_TEMPERATURE") if n in values})
     values.update(overrides)
     signature = {n: "constexpr" if n in values else
-                 sm90.pointer_type(module, n, "*bf16", "*fp32") if n.endswith("_ptr") else "i32" for n in names}
+                 sm90.pointer_type(module, n, "*" + logits, "*fp16" if logits == "fp16" else "*fp32") if n.endswith("_ptr") else "i32" for n in names}
     aligned = [i for i, n in enumerate(names)
                if n not in values and (n.endswith("_ptr") or n in ("logits_row_stride", "vocab_size"))]
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()},
@@ -95,21 +95,22 @@ def streaming_loops(sass: str):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's NUM_WARPS)")
+    parser.add_argument("--logits", default="bf16", choices=["bf16", "fp16", "fp32"], help="the logits' dtype")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a constexpr of the kernel, e.g. PIECES=1 or HAS_DRAFT_PROBS=True")
+                        help="a constexpr of the kernel, e.g. GROUP=16 or HAS_DRAFT_PROBS=True")
     parser.add_argument("--out", default=None, help="folder for the .ttgir / .ptx / .sass")
     args = parser.parse_args()
     from specdec_kernels import triton_rejection_sample as module
     warps = args.warps or module.NUM_WARPS
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
-    compiled = compile_chain_kernel(warps, overrides)
+    compiled = compile_chain_kernel(warps, overrides, args.logits)
     workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="triton_sass_"))
     workdir.mkdir(parents=True, exist_ok=True)
     sass, usage = disassemble(compiled["ptx"], workdir)
     (workdir / "kernel.ttgir").write_text(compiled["ttgir"])
     (workdir / "kernel.sass").write_text(sass)
     registers = re.search(r"REG:(\d+)", usage)
-    print(f"sm_90, {warps} warps, {registers.group(1) if registers else '?'} registers, "
+    print(f"sm_90, {args.logits} logits, {warps} warps, {registers.group(1) if registers else '?'} registers, "
           f"{sass.count(';')} instructions; constexprs {compiled['constexprs']}")
     for line in compiled["ttgir"].splitlines():
         if line.startswith("#blocked"):
