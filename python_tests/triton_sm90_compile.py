@@ -8,7 +8,11 @@ over its constexpr variants. ``test_triton_compile.py`` runs it in a subprocess,
 tests' process has TRITON_INTERPRET=1 set, under which ``triton.jit`` returns interpreted
 functions.
 
-    python python_tests/triton_sm90_compile.py chain|tree|filters|vocab_parallel|vocab_parallel_tree|vocab_parallel_tree_fused
+    python python_tests/triton_sm90_compile.py KERNEL [i/n]
+
+KERNEL: chain, tree, filters_stats, filters_threshold, vocab_parallel, vocab_parallel_tree or
+vocab_parallel_tree_fused. i/n: only every n-th variant from the i-th, to split a slow kernel
+over several tests.
 """
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ import sys
 KERNELS = {
     "chain": ("specdec_kernels.triton_rejection_sample", ["_rejection_sample_kernel"]),
     "tree": ("specdec_kernels.triton_tree_rejection_sample", ["_tree_rejection_sample_kernel"]),
-    "filters": ("specdec_kernels.triton_filters", ["_filter_stats_kernel", "_filter_threshold_kernel"]),
+    # The threshold pass's two kernels apart: its threshold kernel alone takes ~7 min on a 2-core
+    # machine (18 variants), so test_triton_compile.py compiles it in two shards.
+    "filters_stats": ("specdec_kernels.triton_filters", ["_filter_stats_kernel"]),
+    "filters_threshold": ("specdec_kernels.triton_filters", ["_filter_threshold_kernel"]),
     "vocab_parallel": ("specdec_kernels.triton_vocab_parallel",
                        ["_chain_local_stats_kernel", "_chain_final_totals_kernel", "_chunk_race_kernel",
                         "_chunk_pick_kernel", "_chain_finish_kernel"]),
@@ -90,7 +97,9 @@ def variants(flag_names: list[str]):
             yield setting, logits_type
 
 
-def compile_kernel(which: str) -> int:
+def compile_kernel(which: str, shard: str = "0/1") -> int:
+    """Compile the variants of ``which``; shard "i/n": only every n-th variant from the i-th."""
+    index, shards = (int(x) for x in shard.split("/"))
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -102,7 +111,9 @@ def compile_kernel(which: str) -> int:
         fn = getattr(module, kernel)
         names = list(fn.arg_names)
         constexprs = [p.name for p in fn.params if p.is_constexpr]
-        for setting, logits_type in variants(flags(constexprs)):
+        for number, (setting, logits_type) in enumerate(variants(flags(constexprs))):
+            if number % shards != index:
+                continue
             values = {n: setting.get(n, None) for n in constexprs}
             for n in constexprs:
                 if values[n] is None:
@@ -135,4 +146,4 @@ def compile_kernel(which: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(compile_kernel(sys.argv[1]))
+    sys.exit(compile_kernel(*sys.argv[1:3]))

@@ -50,8 +50,9 @@ def compile_chain_kernel(warps: int, overrides: dict, logits: str = "bf16") -> d
     # The benchmark's call: a uniform batch with temperatures, launch overlap on.
     values.update({n: True for n in ("UNIFORM", "USE_PDL", "HAS_TEMPERATURE") if n in values})
     values.update(overrides)
+    probs = "*fp16" if logits == "fp16" else "*fp32"
     signature = {n: "constexpr" if n in values else
-                 sm90.pointer_type(module, n, "*" + logits, "*fp16" if logits == "fp16" else "*fp32") if n.endswith("_ptr") else "i32" for n in names}
+                 sm90.pointer_type(module, n, "*" + logits, probs) if n.endswith("_ptr") else "i32" for n in names}
     aligned = [i for i, n in enumerate(names)
                if n not in values and (n.endswith("_ptr") or n in ("logits_row_stride", "vocab_size"))]
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()},
