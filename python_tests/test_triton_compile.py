@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("triton")
 SCRIPT = os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py")
+# The subprocesses compile: without the interpreter the tests' process runs under.
+COMPILE_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 @pytest.mark.parametrize("kernel,shard", [("chain", "0/1"), ("tree", "0/1"), ("filters_stats", "0/1"),
@@ -18,9 +20,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py")
                                           ("vocab_parallel", "0/1"), ("vocab_parallel_tree", "0/1"),
                                           ("vocab_parallel_tree_fused", "0/1")])
 def test_triton_kernel_compiles_for_sm90(kernel, shard):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # Under CI's 900 s a test: the slowest shard (filters_threshold 1/2) took 351 s alone here.
-    done = subprocess.run([sys.executable, SCRIPT, kernel, shard], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, SCRIPT, kernel, shard], env=COMPILE_ENV, capture_output=True, text=True,
                           timeout=840)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"compiled {kernel}" in done.stdout
@@ -31,8 +32,7 @@ def test_chain_kernel_streams_with_16_byte_loads():
     its streaming loops load logits 16 bytes a thread (the floor needs vector loads; a change that
     lost the tile's alignment would fall back to 2-byte loads and still pass every other test)."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "triton_sass.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, script], env=COMPILE_ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     loops = [line for line in done.stdout.splitlines() if line.startswith("loop [")]
     assert len(loops) >= 3, done.stdout

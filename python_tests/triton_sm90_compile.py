@@ -97,19 +97,35 @@ def variants(flag_names: list[str]):
             yield setting, logits_type
 
 
-def compile_kernel(which: str, shard: str = "0/1") -> int:
-    """Compile the variants of ``which``; shard "i/n": only every n-th variant from the i-th."""
-    index, shards = (int(x) for x in shard.split("/"))
-    os.environ.pop("TRITON_INTERPRET", None)
+def compile_variant(module, fn, values: dict, logits_type: str, num_warps: int, aligned=None):
+    """``triton.compile`` of ``fn`` for sm_90 with the constexprs ``values``; pointer element
+    types from ``logits_type``. aligned: None, or the integer arguments to mark divisible by 16
+    (with every pointer), as the JIT does for such values on a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(fn.arg_names)
+    probs_type = "*fp32" if logits_type != "*fp16" else "*fp16"
+    signature = {n: "constexpr" if n in values else
+                 pointer_type(module, n, logits_type, probs_type) if n.endswith("_ptr") else "i32" for n in names}
+    attrs = None
+    if aligned is not None:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if n not in values and (n.endswith("_ptr") or n in aligned)}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def compile_kernel(which: str, shard: str = "0/1") -> int:
+    """Compile the variants of ``which``; shard "i/n": only every n-th variant from the i-th."""
+    index, shards = (int(x) for x in shard.split("/"))
+    os.environ.pop("TRITON_INTERPRET", None)
     module = importlib.import_module(KERNELS[which][0])
     count = 0
     for kernel in KERNELS[which][1]:
         fn = getattr(module, kernel)
-        names = list(fn.arg_names)
         constexprs = [p.name for p in fn.params if p.is_constexpr]
         for number, (setting, logits_type) in enumerate(variants(flags(constexprs))):
             if number % shards != index:
@@ -118,20 +134,8 @@ def compile_kernel(which: str, shard: str = "0/1") -> int:
             for n in constexprs:
                 if values[n] is None:
                     values[n] = constexpr_value(module, n)
-            probs_type = "*fp32" if logits_type != "*fp16" else "*fp16"
-            signature = {}
-            for n in names:
-                if n in values:
-                    signature[n] = "constexpr"
-                elif n.endswith("_ptr"):
-                    signature[n] = pointer_type(module, n, logits_type, probs_type)
-                else:
-                    signature[n] = "i32"
-            source = ASTSource(fn=fn, signature=signature,
-                               constexprs={(names.index(n),): v for n, v in values.items()})
             try:
-                triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": getattr(module, "NUM_WARPS", 4)})
+                compile_variant(module, fn, values, logits_type, getattr(module, "NUM_WARPS", 4))
             except Exception as error:  # report the variant, then fail
                 print(f"FAILED {which} {kernel} {logits_type} {setting}: {type(error).__name__}: {error}",
                       file=sys.stderr)
@@ -143,7 +147,6 @@ def compile_kernel(which: str, shard: str = "0/1") -> int:
             count += 1
     print(f"compiled {which}: {count} variants for sm_90")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(compile_kernel(*sys.argv[1:3]))

@@ -35,31 +35,19 @@ def _value(text: str):
 
 
 def compile_chain_kernel(warps: int, overrides: dict, logits: str = "bf16") -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     import triton_sm90_compile as sm90
     from specdec_kernels import triton_rejection_sample as module
 
     fn = module._rejection_sample_kernel
-    names = list(fn.arg_names)
     constexprs = [p.name for p in fn.params if p.is_constexpr]
     flags = sm90.flags(constexprs)
     values = {n: False if n in flags else sm90.constexpr_value(module, n) for n in constexprs}
     # The benchmark's call: a uniform batch with temperatures, launch overlap on.
     values.update({n: True for n in ("UNIFORM", "USE_PDL", "HAS_TEMPERATURE") if n in values})
     values.update(overrides)
-    probs = "*fp16" if logits == "fp16" else "*fp32"
-    signature = {n: "constexpr" if n in values else
-                 sm90.pointer_type(module, n, "*" + logits, probs) if n.endswith("_ptr") else "i32" for n in names}
-    aligned = [i for i, n in enumerate(names)
-               if n not in values and (n.endswith("_ptr") or n in ("logits_row_stride", "vocab_size"))]
-    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()},
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    kernel = sm90.compile_variant(module, fn, values, "*" + logits, warps,
+                                  aligned=("logits_row_stride", "vocab_size"))
     return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "constexprs": values}
-
 
 def disassemble(ptx: str, workdir: Path) -> tuple[str, str]:
     import triton
