@@ -927,6 +927,7 @@ def test_gpu_graph_replay_with_filters(draft_probs, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(600)  # first calls compile ~8 kernel variants: over 180 s on an H200 machine
 @pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
 def test_gpu_back_to_back_filtered_calls_keep_counters_clean():
     """Filtered and unfiltered launches of varying shapes in a row (the per-row counters reset)."""
