@@ -12,6 +12,11 @@ logits (contains a 16-byte global load), its length and its most frequent instru
 The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
 draft's chunk), so the path a random request takes is shorter (docs/PERF.md, section "The
 Triton chain kernel's instructions").
+
+The code depends on the Triton version: compile with the one the GPU runs (the GPU machine:
+3.6), e.g. ``pip install --no-deps --target /tmp/triton36 triton==3.6.0`` and
+``PYTHONPATH=/tmp/triton36 python scripts/triton_sass.py``. A variant that looked 30% shorter
+under Triton 3.8 went through shared memory under 3.6 and ran 1.4-3.6x slower (PERF.md).
 """
 from __future__ import annotations
 
@@ -89,6 +94,7 @@ def main() -> int:
                         help="a constexpr of the kernel, e.g. GROUP=16 or HAS_DRAFT_PROBS=True")
     parser.add_argument("--out", default=None, help="folder for the .ttgir / .ptx / .sass")
     args = parser.parse_args()
+    import triton
     from specdec_kernels import triton_rejection_sample as module
     warps = args.warps or module.NUM_WARPS
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
@@ -99,7 +105,7 @@ def main() -> int:
     (workdir / "kernel.ttgir").write_text(compiled["ttgir"])
     (workdir / "kernel.sass").write_text(sass)
     registers = re.search(r"REG:(\d+)", usage)
-    print(f"sm_90, {args.logits} logits, {warps} warps, {registers.group(1) if registers else '?'} registers, "
+    print(f"Triton {triton.__version__}, sm_90, {args.logits} logits, {warps} warps, {registers.group(1) if registers else '?'} registers, "
           f"{sass.count(';')} instructions; constexprs {compiled['constexprs']}")
     for line in compiled["ttgir"].splitlines():
         if line.startswith("#blocked"):
