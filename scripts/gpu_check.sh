@@ -101,7 +101,6 @@ wait
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 python3 -c "import specdec_kernels; print('backends:', specdec_kernels.available_backends())" 2>&1 | tee -a "$OUT/env.txt"
 
-
 if [ "${SANITIZE:-0}" = "1" ]; then
   # compute-sanitizer memcheck on a representative subset (slow: small shapes only).
   start=$(date +%s)
