@@ -1,13 +1,15 @@
 """SASS of the Triton chain kernel's streaming loops, without a GPU: instruction counts.
 
-Compiles ``_rejection_sample_kernel`` for sm_90 the way the launcher's JIT call does on a GPU
-(16-byte aligned pointers and a row stride and vocabulary divisible by 16 marked as such, so
-loads vectorize as they do at V = 128256), assembles it with Triton's bundled ptxas and
-disassembles it with its nvdisasm, then prints the registers and, for each loop that streams
-logits (contains a 16-byte global load), its length and its most frequent instructions.
+Compiles ``_rejection_sample_kernel`` for sm_90 exactly as the launcher's JIT call would on a
+GPU: the launcher runs on CPU tensors shaped like the benchmark's call with the launch captured,
+and Triton's own binder specializes the captured arguments (integers equal to 1 become
+constants; integers divisible by 16 and 16-byte aligned pointers are marked, so loads vectorize
+as they do at V = 128256). It assembles the kernel with Triton's bundled ptxas, disassembles it
+with its nvdisasm, then prints the registers and, for each loop that streams logits (contains a
+16-byte global load), its length and its most frequent instructions.
 
-    python scripts/triton_sass.py [--warps 4] [--logits fp32] [--set HAS_DRAFT_PROBS=True ...]
-        [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
+    python scripts/triton_sass.py [--batch 32] [--logits fp32] [--draft-probs] [--sms 132]
+        [--warps 4] [--set NAME=VALUE ...] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
 
 The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
 draft's chunk), so the path a random request takes is shorter (docs/PERF.md, section "The
@@ -39,20 +41,58 @@ def _value(text: str):
     return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
 
 
-def compile_chain_kernel(warps: int, overrides: dict, logits: str = "bf16") -> dict:
-    import triton_sm90_compile as sm90
+def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool, sms: int):
+    """(args, kwargs) the launcher passes to ``_rejection_sample_kernel`` for the benchmark's call
+    (bench_rejection_sample.make_inputs: a uniform batch, temperatures, seeds and offsets) on a GPU
+    of ``sms`` SMs with launch overlap: ``rejection_sample_triton`` runs on CPU tensors with the
+    launch captured, not made."""
+    import torch
+    from specdec_kernels import triton_rejection_sample as module
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[logits]
+    captured = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: captured.update(args=args, kwargs=kwargs)
+
+    saved = module._rejection_sample_kernel, module._target_programs, module.pdl_enabled
+    module._rejection_sample_kernel = Capture()
+    module._target_programs = lambda device, programs_per_sm=module.PROGRAMS_PER_SM: programs_per_sm * sms
+    module.pdl_enabled = lambda device: True
+    try:
+        module.rejection_sample_triton(
+            torch.zeros(batch * (k + 1), vocab, dtype=dtype), torch.zeros(batch * k, dtype=torch.int64),
+            torch.arange(0, (batch + 1) * k, k, dtype=torch.int32),
+            torch.zeros(batch * k, vocab) if draft_probs else None, torch.ones(batch),
+            torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), k)
+    finally:
+        module._rejection_sample_kernel, module._target_programs, module.pdl_enabled = saved
+    return captured["args"], captured["kwargs"]
+
+
+def compile_chain_kernel(args, kwargs, overrides: dict):
+    """``_rejection_sample_kernel`` compiled for sm_90 from the JIT's own specialization of this
+    call: integer arguments equal to 1 become constants, those divisible by 16 (and 16-byte
+    aligned pointers) are marked so, as on a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
     from specdec_kernels import triton_rejection_sample as module
 
     fn = module._rejection_sample_kernel
-    constexprs = [p.name for p in fn.params if p.is_constexpr]
-    flags = sm90.flags(constexprs)
-    values = {n: False if n in flags else sm90.constexpr_value(module, n) for n in constexprs}
-    # The benchmark's call: a uniform batch with temperatures, launch overlap on.
-    values.update({n: True for n in ("UNIFORM", "USE_PDL", "HAS_TEMPERATURE") if n in values})
-    values.update(overrides)
-    kernel = sm90.compile_variant(module, fn, values, "*" + logits, warps,
-                                  aligned=("logits_row_stride", "vocab_size"))
-    return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "constexprs": values}
+    kwargs = {**kwargs, **overrides}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    names = [p.name for p in fn.params]
+    shown = {names[path[0]]: value for path, value in constexprs.items()}
+    return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "constexprs": shown}
+
 
 def disassemble(ptx: str, workdir: Path) -> tuple[str, str]:
     import triton
@@ -88,17 +128,23 @@ def streaming_loops(sass: str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's NUM_WARPS)")
+    parser.add_argument("--batch", type=int, default=32, help="requests (K = 4 drafts each), default 32")
+    parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--logits", default="bf16", choices=["bf16", "fp16", "fp32"], help="the logits' dtype")
+    parser.add_argument("--draft-probs", action="store_true", help="with fp32 draft probabilities")
+    parser.add_argument("--sms", type=int, default=132, help="the GPU's SMs (the launcher's split), default 132")
+    parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a constexpr of the kernel, e.g. GROUP=16 or HAS_DRAFT_PROBS=True")
+                        help="a constexpr of the kernel, e.g. GROUP=16")
     parser.add_argument("--out", default=None, help="folder for the .ttgir / .ptx / .sass")
     args = parser.parse_args()
     import triton
-    from specdec_kernels import triton_rejection_sample as module
-    warps = args.warps or module.NUM_WARPS
+    call_args, call_kwargs = launcher_call(args.batch, 4, args.vocab, args.logits, args.draft_probs, args.sms)
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
-    compiled = compile_chain_kernel(warps, overrides, args.logits)
+    if args.warps:
+        overrides["num_warps"] = args.warps
+    warps = overrides.get("num_warps", call_kwargs["num_warps"])
+    compiled = compile_chain_kernel(call_args, call_kwargs, overrides)
     workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="triton_sass_"))
     workdir.mkdir(parents=True, exist_ok=True)
     sass, usage = disassemble(compiled["ptx"], workdir)
