@@ -97,10 +97,9 @@ def variants(flag_names: list[str]):
             yield setting, logits_type
 
 
-def compile_variant(module, fn, values: dict, logits_type: str, num_warps: int, aligned=None):
+def compile_variant(module, fn, values: dict, logits_type: str, num_warps: int):
     """``triton.compile`` of ``fn`` for sm_90 with the constexprs ``values``; pointer element
-    types from ``logits_type``. aligned: None, or the integer arguments to mark divisible by 16
-    (with every pointer), as the JIT does for such values on a GPU."""
+    types from ``logits_type``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -109,12 +108,7 @@ def compile_variant(module, fn, values: dict, logits_type: str, num_warps: int, 
     probs_type = "*fp32" if logits_type != "*fp16" else "*fp16"
     signature = {n: "constexpr" if n in values else
                  pointer_type(module, n, logits_type, probs_type) if n.endswith("_ptr") else "i32" for n in names}
-    attrs = None
-    if aligned is not None:
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n not in values and (n.endswith("_ptr") or n in aligned)}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()},
-                       attrs=attrs)
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in values.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must give compilable functions
-sys.path.insert(0, str(ROOT / "python_tests"))
 sys.path.insert(0, str(ROOT))
 
 
