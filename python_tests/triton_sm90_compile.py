@@ -142,5 +142,6 @@ def compile_kernel(which: str, shard: str = "0/1") -> int:
     print(f"compiled {which}: {count} variants for sm_90")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(compile_kernel(*sys.argv[1:3]))
