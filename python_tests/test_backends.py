@@ -67,6 +67,20 @@ def test_triton_programs_per_sm_rule():
 
 @pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
                     reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_triton_interpreter_whole_chunk_tiles_match_reference(monkeypatch, draft_probs):
+    """SPECDEC_TRITON_HALVES=0 (tiles as one [GROUP, 256] tensor, the A/B's other side) still
+    gives the reference's tokens; the default (two half-chunk tensors) is the test above's."""
+    from specdec_kernels import triton_rejection_sample as trs
+    monkeypatch.setattr(trs, "HALVES", False)
+    for method in ("token", "block"):
+        args = random_batch(6, 4, 8193, dtype=torch.bfloat16, draft_probs=draft_probs, seed=31 + draft_probs)
+        rate, _ = _agreement("triton", args, method=method)
+        assert rate == 1.0
+
+
+@pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
+                    reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 def test_triton_interpreter_splits_agree(num_splits):
     """Rows split over several programs combine to the same tokens (V = 3 sampling chunks)."""
@@ -116,6 +130,33 @@ def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs, metho
                             device="cuda") for seed in range(3))
     rate, total = _pooled_agreement(backend, batches, method=method)
     assert rate >= 0.999, f"{backend}: {rate:.4%} of {total} requests agree"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or "triton" not in gpu_backends(), reason="needs Triton on a CUDA GPU")
+@pytest.mark.parametrize("vocab", [32000, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_triton_gpu_tile_and_table_variants_agree(monkeypatch, vocab, dtype, draft_probs):
+    """The Triton chain kernel's variants on one batch: chunk tables stored from registers by
+    inline PTX (default) or by tl.store write the same values, so the tokens are identical; whole-
+    chunk tiles (SPECDEC_TRITON_HALVES=0) sum in another order, so they agree but for near-ties."""
+    from specdec_kernels import triton_rejection_sample as trs
+    assert trs.asm_table_enabled(torch.device("cuda")) == trs.ASM_TABLE
+    outputs = {}
+    for halves, asm in ((True, True), (True, False), (False, True)):
+        monkeypatch.setattr(trs, "HALVES", halves)
+        monkeypatch.setattr(trs, "ASM_TABLE", asm)
+        for method in ("token", "block"):
+            args = random_batch(96, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=method == "token",
+                                seed=vocab % 89 + draft_probs, device="cuda")
+            outputs[halves, asm, method] = specdec_kernels.rejection_sample(*args, backend="triton", method=method)
+    for method in ("token", "block"):
+        out, num = outputs[True, True, method]
+        assert torch.equal(out, outputs[True, False, method][0]) and torch.equal(num, outputs[True, False, method][1])
+        other_out, other_num = outputs[False, True, method]
+        same = (out == other_out).all(1) & (num == other_num)
+        assert same.float().mean().item() >= 0.98, f"{method}: {same.float().mean().item():.2%}"
 
 
 @pytest.mark.gpu

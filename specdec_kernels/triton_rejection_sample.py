@@ -50,6 +50,10 @@ GROUP = int(os.environ.get("SPECDEC_TRITON_GROUP", "8"))
 PROGRAMS_PER_SM_SET = "SPECDEC_TRITON_PROGRAMS_PER_SM" in os.environ
 PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_PROGRAMS_PER_SM", "4"))
 PROGRAMS_PER_SM_WIDE = 8
+# Tiles as two half-chunk tensors, and chunk tables stored from registers (``_stream_tile``,
+# ``_store_table``); 0 turns either off (A/B timings).
+HALVES = os.environ.get("SPECDEC_TRITON_HALVES", "1") != "0"
+ASM_TABLE = os.environ.get("SPECDEC_TRITON_ASM_TABLE", "1") != "0"
 
 
 @triton.jit
@@ -99,30 +103,71 @@ def _token_in_vocab(x, vocab_size):
 
 
 @triton.jit
+def _store_table(ptrs, values, mask, ASM: tl.constexpr):
+    """Store a [GROUP] vector of per-chunk values in the layout the tile's reductions leave it.
+    tl.store first gives each value one owning thread, which moves the vector through shared
+    memory behind two CTA barriers per store; ASM (compiled for CUDA only, not the interpreter)
+    stores straight from the registers: every lane holding a value stores it, and the lanes of a
+    warp that share a value share its address, so the warp still writes it once."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,f,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
 def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec, s_vec, am_vec,
                  table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                 thr=float("-inf"), FILTERED: tl.constexpr = False):
+                 thr=float("-inf"), FILTERED: tl.constexpr = False, raw_hi=None, HALVES: tl.constexpr = False,
+                 ASM_TABLE: tl.constexpr = False):
     """Fold one [GROUP, CHUNK] tile of a row into the per-tile-row running max / sum / argmax,
     and write the tile's chunk table (random requests). FILTERED: logits below the row's
-    threshold ``thr`` count as -inf (sampling filters)."""
+    threshold ``thr`` count as -inf (sampling filters). HALVES: the tile comes as two
+    [GROUP, CHUNK / 2] tensors, ``raw`` the chunks' first halves (offsets ``tile_lane``) and
+    ``raw_hi`` their second halves; they are combined element-wise before each reduction, so a
+    chunk's reductions span half the lanes (bf16) or one warp instead of two (fp32)."""
+    HALF: tl.constexpr = CHUNK // 2
     lg = _sanitize(raw.to(tl.float32))
     if FILTERED:
         lg = tl.where(lg >= thr, lg, float("-inf"))
-    m_c = tl.max(lg, 1)
+    if HALVES:
+        lg_hi = _sanitize(raw_hi.to(tl.float32))
+        if FILTERED:
+            lg_hi = tl.where(lg_hi >= thr, lg_hi, float("-inf"))
+        m_c = tl.max(tl.maximum(lg, lg_hi), 1)
+    else:
+        lg_hi = lg
+        m_c = tl.max(lg, 1)
     m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
     w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
-    s_c = tl.sum(w, 1)
+    if HALVES:
+        w_hi = tl.exp2((lg_hi - m_safe[:, None]) * k)
+        s_c = tl.sum(w + w_hi, 1)
+    else:
+        w_hi = w
+        s_c = tl.sum(w, 1)
     if greedy:
-        am_c = tl.min(tl.where(lg == m_c[:, None], tile_start + tile_lane, 2147483647), 1)
+        if HALVES:
+            # The lowest index of the max: a first half's beats its second half's.
+            idx = tl.where(lg == m_c[:, None], tile_start + tile_lane,
+                           tl.where(lg_hi == m_c[:, None], tile_start + tile_lane + HALF, 2147483647))
+        else:
+            idx = tl.where(lg == m_c[:, None], tile_start + tile_lane, 2147483647)
+        am_c = tl.min(idx, 1)
         am_vec = tl.where(m_c > m_vec, am_c, am_vec)
     else:
         w_chunk = s_c
         rel = excluded - tile_start
         if (rel >= 0) & (rel < GROUP * CHUNK):
             # Deterministic drafts: the draft token's chunk total leaves it out.
-            w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
-        tl.store(table_m_row + chunks, m_c, mask=chunks < num_chunks)
-        tl.store(table_w_row + chunks, w_chunk, mask=chunks < num_chunks)
+            if HALVES:
+                w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w) + tl.where(tile_lane + HALF == rel, 0.0, w_hi), 1)
+            else:
+                w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
+        _store_table(table_m_row + chunks, m_c, chunks < num_chunks, ASM_TABLE)
+        _store_table(table_w_row + chunks, w_chunk, chunks < num_chunks, ASM_TABLE)
     m_new = tl.maximum(m_vec, m_c)
     s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
         + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
@@ -132,46 +177,68 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 @triton.jit
 def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
                        table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                       first_raw=None, HAS_FIRST: tl.constexpr = False):
+                       first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
+                       HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
     """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
-    this one is reduced. HAS_FIRST: tile g_lo is ``first_raw``, loaded by the caller."""
+    this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and ``first_raw_hi``), loaded by
+    the caller."""
+    HALF: tl.constexpr = CHUNK // 2
     if HAS_FIRST:
         raw_next = first_raw
+        raw_next_hi = first_raw_hi
     else:
         raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
+        raw_next_hi = raw_next
+        if HALVES:
+            raw_next_hi = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + HALF + tile_lane)
     for grp in range(g_lo, g_hi):
         raw = raw_next
+        raw_hi = raw_next_hi
         raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=grp + 1 < g_hi, other=0.0)
+        if HALVES:
+            raw_next_hi = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + HALF + tile_lane, mask=grp + 1 < g_hi,
+                                  other=0.0)
         m_vec, s_vec, am_vec = _stream_tile(
             raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec, s_vec,
-            am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+            am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, float("-inf"), False, raw_hi, HALVES,
+            ASM_TABLE)
     return m_vec, s_vec, am_vec
 
 
 @triton.jit
 def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_group, k, greedy, excluded, m_vec,
                        s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr,
-                       GROUP: tl.constexpr):
+                       GROUP: tl.constexpr, HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
     """``_stream_full_tiles`` for a filtered row (threshold thr > -inf): logits below thr count
     as -inf, chunks whose max (cmax_row, the threshold pass's) is below it are not loaded, and a
     tile without a kept chunk only writes its empty table entries (the loop is instruction-bound:
     skipping loads alone saves no time). Chunk maxima are read two tiles ahead."""
+    HALF: tl.constexpr = CHUNK // 2
     keep_next = _kept_chunks(cmax_row, g_lo * GROUP + chunk_in_group, thr, num_chunks)
     keep_after = _kept_chunks(cmax_row, (g_lo + 1) * GROUP + chunk_in_group,
                               tl.where(g_lo + 1 < g_hi, thr, float("-inf")), num_chunks)
     raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane, mask=keep_next[:, None], other=float("-inf"))
+    raw_next_hi = raw_next
+    if HALVES:
+        raw_next_hi = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + HALF + tile_lane, mask=keep_next[:, None],
+                              other=float("-inf"))
     for grp in range(g_lo, g_hi):
         raw = raw_next
+        raw_hi = raw_next_hi
         keep_cur = keep_next
         keep_next = keep_after & (grp + 1 < g_hi)
         keep_after = _kept_chunks(cmax_row, (grp + 2) * GROUP + chunk_in_group,
                                   tl.where(grp + 2 < g_hi, thr, float("-inf")), num_chunks)
         raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=keep_next[:, None],
                            other=float("-inf"))
+        if HALVES:
+            raw_next_hi = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + HALF + tile_lane, mask=keep_next[:, None],
+                                  other=float("-inf"))
         if tl.max(keep_cur.to(tl.int32), 0) > 0:
             m_vec, s_vec, am_vec = _stream_tile(
                 raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec,
-                s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, thr, True)
+                s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, thr, True, raw_hi, HALVES,
+                ASM_TABLE)
         else:
             _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
     return m_vec, s_vec, am_vec
@@ -180,12 +247,15 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 @triton.jit
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                  HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False):
+                  HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
+                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
-    loaded with entries past the vocabulary as -inf, is ``first_raw``."""
+    loaded with entries past the vocabulary as -inf, is ``first_raw`` (``first_raw_hi``).
+    HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``)."""
     NEG_INF: tl.constexpr = float("-inf")
+    HALF: tl.constexpr = CHUNK // 2
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
     # combined once at the end, so the loop has no cross-warp reduction.
     m_vec = tl.full([GROUP], NEG_INF, tl.float32)
@@ -200,27 +270,39 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
         if thr > NEG_INF:
             m_vec, s_vec, am_vec = _stream_kept_tiles(
                 row_ptr, g_lo, full_hi, cmax_row, thr, tile_lane, chunk_in_group, k, greedy,
-                excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
+                excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HALVES,
+                ASM_TABLE)
         else:
             m_vec, s_vec, am_vec = _stream_full_tiles(
                 row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
-                am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST)
+                am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
+                HALVES, ASM_TABLE)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
         offs = tail * (GROUP * CHUNK) + tile_lane
         in_row = offs < vocab_size
+        in_row_hi = offs + HALF < vocab_size
         if HAS_FILTERS:
-            in_row = in_row & _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr, num_chunks)[:, None]
+            kept = _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr, num_chunks)[:, None]
+            in_row = in_row & kept
+            in_row_hi = in_row_hi & kept
         if HAS_FIRST:
             raw = tl.where(tail == g_lo, first_raw,
                            tl.load(row_ptr + offs, mask=in_row & (tail != g_lo), other=NEG_INF))
         else:
             raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
+        raw_hi = raw
+        if HALVES:
+            if HAS_FIRST:
+                raw_hi = tl.where(tail == g_lo, first_raw_hi,
+                                  tl.load(row_ptr + HALF + offs, mask=in_row_hi & (tail != g_lo), other=NEG_INF))
+            else:
+                raw_hi = tl.load(row_ptr + HALF + offs, mask=in_row_hi, other=NEG_INF)
         m_vec, s_vec, am_vec = _stream_tile(
             raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
             excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-            thr, HAS_FILTERS)
+            thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE)
     return _combine_tile_rows(m_vec, s_vec, am_vec, k)
 
 
@@ -387,6 +469,19 @@ def _request_decision(
 
 
 @triton.jit
+def _residual(row_ptr, p_ptr, offs, in_row, m_w, s_w, k, scale, thr_w, HAS_FILTERS: tl.constexpr):
+    """The residual max(0, scale q - p) of one row at ``offs`` (0 outside ``in_row``, where q is
+    0, and where it would be NaN), q = exp2((l - m_w) k) / s_w, 0 below the filter threshold."""
+    lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+    q = tl.where(lg > float("-inf"), tl.exp2((lg - m_w) * k) / s_w, 0.0)
+    if HAS_FILTERS:
+        q = tl.where(lg >= thr_w, q, 0.0)
+    p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+    r = tl.where(q > 0.0, tl.maximum(scale * q - p, 0.0), 0.0)
+    return tl.where(r == r, r, 0.0)
+
+
+@triton.jit
 def _block_ratios(q_x, p_x, x_ok, n, t):
     """Block verification's running joint ratio: P_next[t] = P after draft t, i.e.
     min(1, P_prev q(x_t) / p(x_t)) with P_0 = 1 (division-free where p(x_t) = 0), and n', the
@@ -470,6 +565,7 @@ def _rejection_sample_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -495,8 +591,13 @@ def _rejection_sample_kernel(
         s_idx = (unit - units_phase1) % residual_splits
         b = (unit - units_phase1) // residual_splits // residual_rows
         t = (unit - units_phase1) // residual_splits % residual_rows
-    # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row.
-    lane = tl.arange(0, CHUNK)[None, :]
+    # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row; HALVES:
+    # two [GROUP, CHUNK / 2] tensors, the chunks' first and second halves (``_stream_tile``).
+    HALF: tl.constexpr = CHUNK // 2
+    if HALVES:
+        lane = tl.arange(0, HALF)[None, :]
+    else:
+        lane = tl.arange(0, CHUNK)[None, :]
     chunk_in_group = tl.arange(0, GROUP)
     if is_phase1:
         g_lo = s_idx * groups_per_split
@@ -512,6 +613,10 @@ def _rejection_sample_kernel(
         guess_ptr = logits_ptr + (b * (max_spec_len + 1) + t).to(tl.int64) * logits_row_stride
         first_offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
         first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
+        first_raw_hi = first_raw
+        if HALVES:
+            first_raw_hi = tl.load(guess_ptr + HALF + first_offs, mask=(first_offs + HALF < vocab_size) & is_phase1,
+                                   other=NEG_INF)
         guess_excluded = tl.full([], -1, tl.int32)
         if not HAS_DRAFT_PROBS:
             x_guess = tl.load(draft_ids_ptr + b * max_spec_len + t, mask=t < max_spec_len, other=-1)
@@ -539,7 +644,8 @@ def _rejection_sample_kernel(
         if UNIFORM:
             m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
-                guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True)
+                guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
+                first_raw_hi, HALVES, ASM_TABLE)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
         else:
             m_run = tl.full([], NEG_INF, tl.float32)
@@ -572,7 +678,7 @@ def _rejection_sample_kernel(
                     m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
@@ -654,22 +760,19 @@ def _rejection_sample_kernel(
         p_ptr = draft_probs_ptr + (cu_lo + work_row) * draft_probs_row_stride
         slot = b * residual_rows + t
         if does_work:
-            mass = tl.zeros([], tl.float32)
+            mass = tl.zeros([GROUP], tl.float32)  # per tile row: no cross-warp sum in the loop
             for grp in range(g_lo, g_hi):
                 chunks = grp * GROUP + chunk_in_group
                 offs = chunks[:, None] * CHUNK + lane
-                in_row = (offs < vocab_size) & row_ok
-                lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=NEG_INF).to(tl.float32))
-                q = tl.where(lg > NEG_INF, tl.exp2((lg - m_w) * k) / s_w, 0.0)
-                if HAS_FILTERS:
-                    q = tl.where(lg >= thr_w, q, 0.0)
-                p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-                r = tl.where(q > 0.0, tl.maximum(scale * q - p, 0.0), 0.0)
-                r = tl.where(r == r, r, 0.0)
+                r = _residual(row_ptr, p_ptr, offs, (offs < vocab_size) & row_ok, m_w, s_w, k, scale, thr_w,
+                              HAS_FILTERS)
+                if HALVES:
+                    r += _residual(row_ptr, p_ptr, offs + HALF, (offs + HALF < vocab_size) & row_ok, m_w, s_w, k,
+                                   scale, thr_w, HAS_FILTERS)
                 r_c = tl.sum(r, 1)
-                tl.store(table_r_ptr + slot * num_chunks + chunks, r_c, mask=chunks < num_chunks)
-                mass += tl.sum(r_c, 0)
-            tl.store(residual_sum_ptr + slot * residual_splits + s_idx, mass)
+                _store_table(table_r_ptr + slot * num_chunks + chunks, r_c, chunks < num_chunks, ASM_TABLE)
+                mass += r_c
+            tl.store(residual_sum_ptr + slot * residual_splits + s_idx, tl.sum(mass, 0))
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + num_requests + b, 1, sem="acq_rel")
         if done == residual_rows * residual_splits - 1:
@@ -784,6 +887,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def asm_table_enabled(device: torch.device) -> bool:
+    """Chunk tables stored from registers by inline PTX (``_store_table``): compiled CUDA only (the
+    interpreter runs no PTX), unless SPECDEC_TRITON_ASM_TABLE=0."""
+    return ASM_TABLE and device.type == "cuda"
+
+
 def _row_split(device: torch.device, rows: int, num_groups: int, num_splits: int | None = None,
                programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(splits per row, tiles per split) for ``rows`` rows of ``num_groups`` tiles: enough
@@ -894,6 +1003,8 @@ def rejection_sample_triton(
         # are guessed before the offsets arrive. Filtered rows read their threshold first.
         UNIFORM=draft_token_ids.shape[0] == B * L and not has_filters,
         USE_PDL=use_pdl,
+        HALVES=HALVES,
+        ASM_TABLE=asm_table_enabled(device),
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
     )
