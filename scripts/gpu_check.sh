@@ -8,6 +8,7 @@
 #   SPECDEC_CXX=... SPECDEC_CC=...             (the host compilers; default the system's /usr/bin ones)
 #   SANITIZE=1 ...                             (also compute-sanitizer memcheck on a subset)
 #   TESTS=none / BENCH=0                       (skip the tests / the kernel benchmark)
+#   BENCH_ARGS="--methods token"               (more arguments of bench_rejection_sample.py)
 #   VERIFY_SHARE=1                             (also benchmarks/bench_verify_share.py: the op's
 #                                               share of a verify step on random-weight LLMs)
 #   TEST_TIMEOUT=420                           (seconds for the whole test run; capped so that the
@@ -195,7 +196,7 @@ fi
 
 if [ "${BENCH:-core}" != "0" ]; then
   start=$(date +%s)
-  timeout 480 python3 benchmarks/bench_rejection_sample.py --sweep "$SWEEP" --out "$OUT" 2>&1 | tee -a "$OUT/run.log" | grep -v "^B="
+  timeout 480 python3 benchmarks/bench_rejection_sample.py --sweep "$SWEEP" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/run.log" | grep -v "^B="
   echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 fi
 

@@ -54,6 +54,10 @@ PROGRAMS_PER_SM_WIDE = 8
 # ``_store_table``); 0 turns either off (A/B timings).
 HALVES = os.environ.get("SPECDEC_TRITON_HALVES", "1") != "0"
 ASM_TABLE = os.environ.get("SPECDEC_TRITON_ASM_TABLE", "1") != "0"
+# Register cap of the chain kernel's unfiltered calls (0 = none): at 96 five 4-warp programs fit
+# an SM, so the 640 programs of B = 32 / 64 / 128 at K = 4 run in one wave; uncapped, the halved
+# tiles took 112-120 registers, four programs per SM and a second wave (docs/PERF.md).
+MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
 
 
 @triton.jit
@@ -1007,5 +1011,6 @@ def rejection_sample_triton(
         ASM_TABLE=asm_table_enabled(device),
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
+        **({"maxnreg": MAXNREG} if MAXNREG > 0 and not has_filters else {}),
     )
     return out_tokens, num_accepted
