@@ -415,9 +415,21 @@ def _row_argmax(row_ptr, row_ok, vocab_size, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _draft_token_values(row_ptr, p_row_ptr, x, load, HAS_DRAFT_PROBS: tl.constexpr):
+    """A draft row's token x (in [0, V), or -1): its target logit, sanitized (-inf if x is -1),
+    and its draft probability (0 without draft probabilities), read only where ``load``."""
+    ok = load & (x >= 0)
+    lx = _sanitize(tl.load(row_ptr + x, mask=ok, other=float("-inf")).to(tl.float32))
+    px = tl.zeros([], tl.float32)
+    if HAS_DRAFT_PROBS:
+        px = tl.load(p_row_ptr + x, mask=ok, other=0.0).to(tl.float32)
+    return lx, px
+
+
+@triton.jit
 def _request_decision(
     b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts, draft_probs_ptr,
-    draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, num_rows, vocab_size,
+    draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, num_rows, vocab_size,
     max_spec_len, num_splits, seed, offset, k, greedy, thr_ptr,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr,
@@ -454,12 +466,14 @@ def _request_decision(
     x_ok = d_ok & (x >= 0) & (x < vocab_size)
     row = cu_lo + b + t
     x_ok_row = x_ok & (row >= 0) & (row < num_rows)
-    lx = tl.load(logits_ptr + row * logits_row_stride + x, mask=x_ok_row, other=float("-inf")).to(tl.float32)
-    lx = _sanitize(lx)
+    # The draft token's logit and draft probability, read by each row's first unit
+    # (``_draft_token_record``): loaded with the records, not after the draft ids.
+    slot = b * (max_spec_len + 1) + t
+    lx = tl.load(rec_lx_ptr + slot, mask=x_ok_row, other=float("-inf"), cache_modifier=".cg")
     q_x = tl.where(x_ok_row & (lx > float("-inf")) & (row_max > float("-inf")) & (lx >= thr),
                    tl.exp2((lx - row_max) * k) / row_sum, 0.0)
     if HAS_DRAFT_PROBS:
-        p_x = tl.load(draft_probs_ptr + d * draft_probs_row_stride + x, mask=x_ok, other=0.0).to(tl.float32)
+        p_x = tl.load(rec_px_ptr + slot, mask=x_ok, other=0.0, cache_modifier=".cg")
     else:
         p_x = tl.full([ROWS_PAD], 1.0, tl.float32)
     a0, a1 = _philox_words(seed, offset, STREAM_ACCEPT, t + 1, tl.zeros([ROWS_PAD], tl.int32))
@@ -558,7 +572,8 @@ def _rejection_sample_kernel(
     draft_probs_ptr, draft_probs_row_stride,
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
-    rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr, counter_ptr,
+    rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr,
+    counter_ptr,
     thr_ptr, cmax_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
@@ -621,10 +636,15 @@ def _rejection_sample_kernel(
         if HALVES:
             first_raw_hi = tl.load(guess_ptr + HALF + first_offs, mask=(first_offs + HALF < vocab_size) & is_phase1,
                                    other=NEG_INF)
+        x_guess = _token_in_vocab(
+            tl.load(draft_ids_ptr + b * max_spec_len + t, mask=(t < max_spec_len) & is_phase1, other=-1), vocab_size)
         guess_excluded = tl.full([], -1, tl.int32)
         if not HAS_DRAFT_PROBS:
-            x_guess = tl.load(draft_ids_ptr + b * max_spec_len + t, mask=t < max_spec_len, other=-1)
-            guess_excluded = _token_in_vocab(x_guess, vocab_size)
+            guess_excluded = x_guess
+        # The finalizer's reads of the draft token, issued now and stored after the stream.
+        guess_lx, guess_px = _draft_token_values(guess_ptr, draft_probs_ptr + (b * max_spec_len + t).to(tl.int64) *
+                                                 draft_probs_row_stride, x_guess, (s_idx == 0) & is_phase1,
+                                                 HAS_DRAFT_PROBS)
     cu_lo = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64) - cu_lo, 0), max_spec_len)
     if HAS_TEMPERATURE:
@@ -651,7 +671,10 @@ def _rejection_sample_kernel(
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
                 first_raw_hi, HALVES, ASM_TABLE)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
+            draft_lx, draft_px = guess_lx, guess_px
         else:
+            draft_lx = tl.full([], NEG_INF, tl.float32)
+            draft_px = tl.zeros([], tl.float32)
             m_run = tl.full([], NEG_INF, tl.float32)
             s_run = tl.zeros([], tl.float32)
             am_run = tl.full([], -1, tl.int32)
@@ -662,11 +685,15 @@ def _rejection_sample_kernel(
                 row = cu_lo + b + t
                 row_ok = (row >= 0) & (row < num_rows)
                 row_ptr = logits_ptr + row * logits_row_stride
+                d = cu_lo + t
+                x = tl.full([], -1, tl.int32)
+                if (t < n) & (d >= 0) & (d < num_drafts):
+                    x = _token_in_vocab(tl.load(draft_ids_ptr + d), vocab_size)
+                draft_lx, draft_px = _draft_token_values(row_ptr, draft_probs_ptr + d * draft_probs_row_stride, x,
+                                                         (s_idx == 0) & row_ok, HAS_DRAFT_PROBS)
                 excluded = tl.full([], -1, tl.int32)
                 if not HAS_DRAFT_PROBS:
-                    d = cu_lo + t
-                    if (t < n) & (d >= 0) & (d < num_drafts):
-                        excluded = _token_in_vocab(tl.load(draft_ids_ptr + d), vocab_size)
+                    excluded = x
                 # Sampling filters: the threshold pass (triton_filters.py) gave the row's threshold
                 # (-inf: unfiltered) and chunk maxima; chunks whose max is below it are not read, and
                 # a row whose whole kept set the pass held (kept_z > 0) is not read at all.
@@ -688,6 +715,10 @@ def _rejection_sample_kernel(
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, am_run)
+            if (s_idx == 0) & (t < n):
+                tl.store(rec_lx_ptr + slot, draft_lx)
+                if HAS_DRAFT_PROBS:
+                    tl.store(rec_px_ptr + slot, draft_px)
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel") + 1
             if not HAS_DRAFT_PROBS:
@@ -695,7 +726,7 @@ def _rejection_sample_kernel(
                     tl.debug_barrier()
                     t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
                         b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
-                        draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
+                        draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr,
                         num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
                         k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
                         STREAM_ACCEPT, HAS_FILTERS)
@@ -737,7 +768,7 @@ def _rejection_sample_kernel(
         tl.debug_barrier()
         t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
             b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
-            draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr,
+            draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
             k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
             STREAM_ACCEPT, HAS_FILTERS)
@@ -953,11 +984,12 @@ def rejection_sample_triton(
     units_total = units_phase1 + units_phase2
     # Records: (max, sum) per unit in f32, argmax per unit in i32; chunk tables (max, total)
     # per (request, position) slot; residual tables and residual masses per (request, residual
-    # row).
+    # row); the draft token's logit and draft probability per slot.
     slots = B * (L + 1)
     n_table = slots * num_chunks
     n_residual = B * residual_rows * num_chunks
-    n_f32 = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
+    n_records = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
+    n_f32 = n_records + 2 * slots
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
     flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks) if has_filters else (0, 0)
     f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
@@ -974,7 +1006,9 @@ def rejection_sample_triton(
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
     table_w = f32[2 * units_phase1 + n_table:2 * units_phase1 + 2 * n_table]
     table_r = f32[2 * units_phase1 + 2 * n_table:2 * units_phase1 + 2 * n_table + n_residual]
-    residual_sum = f32[2 * units_phase1 + 2 * n_table + n_residual:n_f32]
+    residual_sum = f32[2 * units_phase1 + 2 * n_table + n_residual:n_records]
+    rec_lx = f32[n_records:n_records + slots]
+    rec_px = f32[n_records + slots:n_f32]
     _rejection_sample_kernel[(units_total,)](
         target_logits, target_logits.stride(0),
         draft_token_ids, draft_token_ids.shape[0],
@@ -985,7 +1019,7 @@ def rejection_sample_triton(
         seeds,
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
-        rec_m, rec_s, i32, table_m, table_w, table_r, residual_sum, counters,
+        rec_m, rec_s, i32, rec_lx, rec_px, table_m, table_w, table_r, residual_sum, counters,
         *filt,
         B, R, V, L,
         num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
