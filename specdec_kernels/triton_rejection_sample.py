@@ -54,8 +54,6 @@ PROGRAMS_PER_SM_WIDE = 8
 # ``_store_table``); 0 turns either off (A/B timings).
 HALVES = os.environ.get("SPECDEC_TRITON_HALVES", "1") != "0"
 ASM_TABLE = os.environ.get("SPECDEC_TRITON_ASM_TABLE", "1") != "0"
-# Tiles loaded ahead of the one being reduced (1 or 2).
-AHEAD = int(os.environ.get("SPECDEC_TRITON_AHEAD", "1"))
 # Register cap of the chain kernel's unfiltered calls (0 = none): at 96 five 4-warp programs fit
 # an SM, so the 640 programs of B = 32 / 64 / 128 at K = 4 run in one wave; uncapped, the halved
 # tiles took 112-120 registers, four programs per SM and a second wave (docs/PERF.md).
@@ -181,40 +179,29 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 
 
 @triton.jit
-def _load_tile(row_ptr, grp, tile_lane, mask, CHUNK: tl.constexpr, GROUP: tl.constexpr, HALVES: tl.constexpr):
-    """Whole tile ``grp`` of a row (zeros where not ``mask``): (first halves, second halves) with
-    HALVES, else (tile, tile)."""
-    raw = tl.load(row_ptr + grp * (GROUP * CHUNK) + tile_lane, mask=mask, other=0.0)
-    raw_hi = raw
-    if HALVES:
-        raw_hi = tl.load(row_ptr + grp * (GROUP * CHUNK) + CHUNK // 2 + tile_lane, mask=mask, other=0.0)
-    return raw, raw_hi
-
-
-@triton.jit
 def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
                        table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                        first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
-                       HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, AHEAD: tl.constexpr = 1):
-    """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next AHEAD (1 or 2) tiles are
-    loaded before this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and
-    ``first_raw_hi``), loaded by the caller."""
+                       HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
+    """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
+    this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and ``first_raw_hi``), loaded by
+    the caller."""
+    HALF: tl.constexpr = CHUNK // 2
     if HAS_FIRST:
         raw_next = first_raw
         raw_next_hi = first_raw_hi
     else:
-        raw_next, raw_next_hi = _load_tile(row_ptr, g_lo, tile_lane, True, CHUNK, GROUP, HALVES)
-    if AHEAD == 2:
-        raw_after, raw_after_hi = _load_tile(row_ptr, g_lo + 1, tile_lane, g_lo + 1 < g_hi, CHUNK, GROUP, HALVES)
+        raw_next = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + tile_lane)
+        raw_next_hi = raw_next
+        if HALVES:
+            raw_next_hi = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + HALF + tile_lane)
     for grp in range(g_lo, g_hi):
         raw = raw_next
         raw_hi = raw_next_hi
-        if AHEAD == 2:
-            raw_next = raw_after
-            raw_next_hi = raw_after_hi
-            raw_after, raw_after_hi = _load_tile(row_ptr, grp + 2, tile_lane, grp + 2 < g_hi, CHUNK, GROUP, HALVES)
-        else:
-            raw_next, raw_next_hi = _load_tile(row_ptr, grp + 1, tile_lane, grp + 1 < g_hi, CHUNK, GROUP, HALVES)
+        raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=grp + 1 < g_hi, other=0.0)
+        if HALVES:
+            raw_next_hi = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + HALF + tile_lane, mask=grp + 1 < g_hi,
+                                  other=0.0)
         m_vec, s_vec, am_vec = _stream_tile(
             raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec, s_vec,
             am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, float("-inf"), False, raw_hi, HALVES,
@@ -265,7 +252,7 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
-                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
@@ -293,7 +280,7 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
             m_vec, s_vec, am_vec = _stream_full_tiles(
                 row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
                 am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                HALVES, ASM_TABLE, AHEAD)
+                HALVES, ASM_TABLE)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
@@ -597,7 +584,7 @@ def _rejection_sample_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
-    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -682,7 +669,7 @@ def _rejection_sample_kernel(
             m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
-                first_raw_hi, HALVES, ASM_TABLE, AHEAD)
+                first_raw_hi, HALVES, ASM_TABLE)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
             draft_lx, draft_px = guess_lx, guess_px
         else:
@@ -722,7 +709,7 @@ def _rejection_sample_kernel(
                     m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, AHEAD)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
@@ -1055,7 +1042,6 @@ def rejection_sample_triton(
         UNIFORM=draft_token_ids.shape[0] == B * L and not has_filters,
         USE_PDL=use_pdl,
         HALVES=HALVES,
-        AHEAD=AHEAD,
         ASM_TABLE=asm_table_enabled(device),
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
