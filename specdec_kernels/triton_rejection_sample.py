@@ -902,12 +902,12 @@ def _target_programs(device: torch.device, programs_per_sm: int = PROGRAMS_PER_S
 
 def wide_logit_rows(logits_dtype: torch.dtype, has_draft_probs: bool, num_rows: int, has_filters: bool) -> bool:
     """Calls whose splits aim at PROGRAMS_PER_SM_WIDE programs per SM: 4-byte logits with draft
-    probabilities and at least 160 rows, unfiltered (docs/PERF.md, "Triton: rows before offsets,
-    launch overlap, programs per SM"). H100, fp32 + fp32 draft, K = 4, 4 -> 8 programs per SM:
-    B = 32 58.6 -> 54.4 us, B = 64 105.9 -> 92.1, B = 128 194.3 -> 167.3; B = 8 (40 rows) would
-    lose, 22.0 -> 24.9, and so would bf16 logits at B = 32 and 64 (with draft probabilities
-    34.3 -> 38.2 and 59.8 -> 61.9; without, 24.3 -> 30.4 and 42.0 -> 42.7)."""
-    return (not PROGRAMS_PER_SM_SET and logits_dtype.itemsize == 4 and has_draft_probs and num_rows >= 160
+    probabilities and at least 640 rows (B = 128 at K = 4), unfiltered (docs/PERF.md, "Triton:
+    half-chunk tiles, register stores, a register cap"). H100, fp32 + fp32 draft, K = 4, today's
+    kernel (96 registers: five programs per SM), 4 -> 8 programs per SM: B = 8 22.1 -> 22.2 us,
+    B = 32 47.2 -> 50.5, B = 64 86.6 -> 86.8, B = 128 162.8 -> 161.2. (With 128 registers, four
+    programs per SM, 8 had won from 160 rows on: B = 32 58.6 -> 54.4 us.)"""
+    return (not PROGRAMS_PER_SM_SET and logits_dtype.itemsize == 4 and has_draft_probs and num_rows >= 640
             and not has_filters)
 
 
