@@ -76,9 +76,9 @@ def constexpr_value(module, name: str):
 
 def flags(names: list[str]) -> list[str]:
     """Boolean constexprs: HAS_* switches, *_VERIFY modes, the threshold pass's switches and the
-    chain kernel's launch-shape switches."""
+    chain kernel's launch-shape and A/B switches."""
     return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY")
-            or n in ("TREE", "KEPT_SET", "EXCLUDE_DRAFT", "UNIFORM", "USE_PDL")]
+            or n in ("TREE", "KEPT_SET", "EXCLUDE_DRAFT", "UNIFORM", "USE_PDL", "HALVES", "ASM_TABLE")]
 
 
 def variants(flag_names: list[str]):
