@@ -467,7 +467,7 @@ def _request_decision(
     row = cu_lo + b + t
     x_ok_row = x_ok & (row >= 0) & (row < num_rows)
     # The draft token's logit and draft probability, read by each row's first unit
-    # (``_draft_token_record``): loaded with the records, not after the draft ids.
+    # (``_draft_token_values``): loaded with the records, not after the draft ids.
     slot = b * (max_spec_len + 1) + t
     lx = tl.load(rec_lx_ptr + slot, mask=x_ok_row, other=float("-inf"), cache_modifier=".cg")
     q_x = tl.where(x_ok_row & (lx > float("-inf")) & (row_max > float("-inf")) & (lx >= thr),
