@@ -8,7 +8,10 @@ probabilities, one more program per (request, split) for the residual:
   row max, the sum of exp2((l - max) * log2e / T), the first argmax, and the sample of the
   row drawn with the chunked sampler of docs/ALGORITHM.md (for deterministic drafts the
   draft token is left out of it: that is the residual; the bonus row leaves nothing out).
-  Each program writes one record to the workspace and counts itself on its request.
+  Each program writes one record to the workspace and counts itself on its request; a
+  row's first program also records its draft token's logit and draft probability, loaded
+  while it streams, so the accept tests read only records. Tiles are two half-chunk tensors
+  and the chunk tables are stored from registers (``_stream_tile``, ``_store_table``).
 - without draft probabilities the last phase-1 program of a request (the counter tells)
   combines the records, runs the accept tests of all positions at once and writes the
   outputs: every logit is read once, nothing else is read.
