@@ -145,7 +145,6 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
             lg_hi = tl.where(lg_hi >= thr, lg_hi, float("-inf"))
         m_c = tl.max(tl.maximum(lg, lg_hi), 1)
     else:
-        lg_hi = lg
         m_c = tl.max(lg, 1)
     m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
     w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
@@ -153,7 +152,6 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
         w_hi = tl.exp2((lg_hi - m_safe[:, None]) * k)
         s_c = tl.sum(w + w_hi, 1)
     else:
-        w_hi = w
         s_c = tl.sum(w, 1)
     if greedy:
         if HALVES:
@@ -431,9 +429,8 @@ def _draft_token_values(row_ptr, p_row_ptr, x, load, HAS_DRAFT_PROBS: tl.constex
 
 @triton.jit
 def _request_decision(
-    b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts, draft_probs_ptr,
-    draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, num_rows, vocab_size,
-    max_spec_len, num_splits, seed, offset, k, greedy, thr_ptr,
+    b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, num_rows,
+    vocab_size, max_spec_len, num_splits, seed, offset, k, greedy, thr_ptr,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr,
 ):
@@ -728,9 +725,8 @@ def _rejection_sample_kernel(
                 if done == (n + 1) * num_splits:
                     tl.debug_barrier()
                     t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
-                        b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
-                        draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr,
-                        num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
+                        b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr,
+                        rec_px_ptr, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
                         k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
                         STREAM_ACCEPT, HAS_FILTERS)
                     rows = tl.arange(0, ROWS_PAD)
@@ -770,8 +766,7 @@ def _rejection_sample_kernel(
             seen = tl.atomic_add(counter_ptr + b, 0, sem="acquire")
         tl.debug_barrier()
         t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
-            b, n, cu_lo, logits_ptr, logits_row_stride, draft_ids_ptr, num_drafts,
-            draft_probs_ptr, draft_probs_row_stride, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr,
+            b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
             k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
             STREAM_ACCEPT, HAS_FILTERS)
