@@ -358,15 +358,12 @@ def _sample_in_chunk(row_ptr, p_ptr, chunk, vocab_size, row_ok, k, excluded, row
     """
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     in_row = (offs < vocab_size) & row_ok & (chunk >= 0)
-    lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
-    if FILTERED:
-        lg = tl.where(lg >= thr, lg, float("-inf"))  # filtered out: as if -inf
     if RESIDUAL:
-        q = tl.where(lg > float("-inf"), tl.exp2((lg - row_max) * k) / row_sum, 0.0)
-        p = tl.load(p_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-        w = tl.where(q > 0.0, tl.maximum(scale * q - p, 0.0), 0.0)
-        w = tl.where(w == w, w, 0.0)
+        w = _residual(row_ptr, p_ptr, offs, in_row, row_max, row_sum, k, scale, thr, FILTERED)
     else:
+        lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+        if FILTERED:
+            lg = tl.where(lg >= thr, lg, float("-inf"))  # filtered out: as if -inf
         m = tl.max(lg, 0)
         w = tl.where(lg > float("-inf"), tl.exp2((lg - m) * k), 0.0)
         w = tl.where(offs == excluded, 0.0, w)
