@@ -55,11 +55,13 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
         def __getitem__(self, grid):
             return lambda *args, **kwargs: captured.update(args=args, kwargs=kwargs)
 
-    saved = module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled
+    saved = (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
+             module.prefetch_tiles)
     module._rejection_sample_kernel = Capture()
     module._target_programs = lambda device, programs_per_sm=module.PROGRAMS_PER_SM: programs_per_sm * sms
     module.pdl_enabled = lambda device: True
     module.asm_table_enabled = lambda device: module.ASM_TABLE
+    module.prefetch_tiles = lambda device, dtype: module.PREFETCH if dtype.itemsize == 2 and module.PREFETCH > 1 else 0
     try:
         module.rejection_sample_triton(
             torch.zeros(batch * (k + 1), vocab, dtype=dtype), torch.zeros(batch * k, dtype=torch.int64),
@@ -67,7 +69,8 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
             torch.zeros(batch * k, vocab) if draft_probs else None, torch.ones(batch),
             torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), k)
     finally:
-        module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled = saved
+        (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
+         module.prefetch_tiles) = saved
     return captured["args"], captured["kwargs"]
 
 

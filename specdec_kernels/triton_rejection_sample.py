@@ -61,6 +61,10 @@ ASM_TABLE = os.environ.get("SPECDEC_TRITON_ASM_TABLE", "1") != "0"
 # an SM, so the 640 programs of B = 32 / 64 / 128 at K = 4 run in one wave; uncapped, the halved
 # tiles took 112-120 registers, four programs per SM and a second wave (docs/PERF.md).
 MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
+# 16-bit logits: the whole-tile loop asks L2 for the tile PREFETCH tiles ahead (cp.async.bulk
+# prefetch, one request per warp, no registers held), so the register load one tile ahead hits L2
+# (docs/PERF.md, "Triton: an L2 prefetch"). 0 = off; CUDA only (the interpreter runs no PTX).
+PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
 
 
 @triton.jit
@@ -125,6 +129,17 @@ def _store_table(ptrs, values, mask, ASM: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes, flag):
+    """Ask L2 for nbytes at ptr (16-byte aligned, a multiple of 16) where flag: one bulk prefetch
+    (cp.async.bulk.prefetch.L2, sm_90), issued for thread 0; nothing is loaded into registers."""
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 t; .reg .pred p, q; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.b32 q, $2, 0; "
+        "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), flag.to(tl.int32), nbytes.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec, s_vec, am_vec,
                  table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                  thr=float("-inf"), FILTERED: tl.constexpr = False, raw_hi=None, HALVES: tl.constexpr = False,
@@ -183,10 +198,12 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
                        table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                        first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
-                       HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
+                       HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = 0):
     """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
     this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and ``first_raw_hi``), loaded by
-    the caller."""
+    the caller. PREFETCH > 1: L2 is asked for the tile PREFETCH ahead (``_prefetch_l2``) where the
+    row is 16-byte aligned, so the load one tile ahead finds it there."""
     HALF: tl.constexpr = CHUNK // 2
     if HAS_FIRST:
         raw_next = first_raw
@@ -196,7 +213,14 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
         raw_next_hi = raw_next
         if HALVES:
             raw_next_hi = tl.load(row_ptr + g_lo * (GROUP * CHUNK) + HALF + tile_lane)
+    if PREFETCH > 1:
+        tile_bytes = tl.full([], GROUP * CHUNK, tl.int32) * (row_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        aligned = (row_ptr.to(tl.int64, bitcast=True) % 16) == 0
+        for d in tl.static_range(1, PREFETCH):
+            _prefetch_l2(row_ptr + (g_lo + d) * (GROUP * CHUNK), tile_bytes, aligned & (g_lo + d < g_hi))
     for grp in range(g_lo, g_hi):
+        if PREFETCH > 1:
+            _prefetch_l2(row_ptr + (grp + PREFETCH) * (GROUP * CHUNK), tile_bytes, aligned & (grp + PREFETCH < g_hi))
         raw = raw_next
         raw_hi = raw_next_hi
         raw_next = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + tile_lane, mask=grp + 1 < g_hi, other=0.0)
@@ -253,7 +277,7 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
-                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
+                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
@@ -281,7 +305,7 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
             m_vec, s_vec, am_vec = _stream_full_tiles(
                 row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
                 am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                HALVES, ASM_TABLE)
+                HALVES, ASM_TABLE, PREFETCH)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
@@ -581,7 +605,7 @@ def _rejection_sample_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
-    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
+    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -666,7 +690,7 @@ def _rejection_sample_kernel(
             m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
-                first_raw_hi, HALVES, ASM_TABLE)
+                first_raw_hi, HALVES, ASM_TABLE, PREFETCH)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
             draft_lx, draft_px = guess_lx, guess_px
         else:
@@ -706,7 +730,7 @@ def _rejection_sample_kernel(
                     m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
@@ -917,6 +941,15 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def prefetch_tiles(device: torch.device, logits_dtype: torch.dtype) -> int:
+    """How far ahead the whole-tile loop asks L2 for tiles (``_prefetch_l2``): PREFETCH for 16-bit
+    logits on CUDA devices of compute capability 9.0+ (the bulk prefetch is sm_90), else 0. 4-byte
+    logits measured level with it (docs/PERF.md)."""
+    if device.type != "cuda" or logits_dtype.itemsize != 2 or PREFETCH < 2:
+        return 0
+    return PREFETCH if torch.cuda.get_device_capability(device)[0] >= 9 else 0
+
+
 def asm_table_enabled(device: torch.device) -> bool:
     """Chunk tables stored from registers by inline PTX (``_store_table``): compiled CUDA only (the
     interpreter runs no PTX), unless SPECDEC_TRITON_ASM_TABLE=0."""
@@ -1038,6 +1071,7 @@ def rejection_sample_triton(
         USE_PDL=use_pdl,
         HALVES=HALVES,
         ASM_TABLE=asm_table_enabled(device),
+        PREFETCH=prefetch_tiles(device, target_logits.dtype),
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": MAXNREG} if MAXNREG > 0 and not has_filters else {}),
