@@ -66,6 +66,24 @@ def test_triton_programs_per_sm_rule():
     assert not trs.wide_logit_rows(torch.float32, True, 640, True)  # filtered calls split as the threshold pass
 
 
+@pytest.mark.skipif("triton" not in gpu_backends(), reason="needs triton")
+def test_triton_l2_prefetch_rule(monkeypatch):
+    """The whole-tile loop's L2 prefetch (inline PTX, sm_90) is asked for only on CUDA devices and
+    only for 16-bit logits (docs/PERF.md: level with 4-byte logits); the interpreter never gets it."""
+    from specdec_kernels import triton_rejection_sample as trs
+    cpu = torch.device("cpu")
+    assert trs.prefetch_tiles(cpu, torch.bfloat16) == 0
+    assert trs.prefetch_tiles(cpu, torch.float32) == 0
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9:
+        monkeypatch.setattr(trs, "PREFETCH", 2)
+        gpu = torch.device("cuda")
+        assert trs.prefetch_tiles(gpu, torch.bfloat16) == 2
+        assert trs.prefetch_tiles(gpu, torch.float16) == 2
+        assert trs.prefetch_tiles(gpu, torch.float32) == 0
+        monkeypatch.setattr(trs, "PREFETCH", 0)
+        assert trs.prefetch_tiles(gpu, torch.bfloat16) == 0
+
+
 @pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
                     reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
 @pytest.mark.parametrize("draft_probs", [False, True])
@@ -140,14 +158,16 @@ def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs, metho
 @pytest.mark.parametrize("draft_probs", [False, True])
 def test_triton_gpu_tile_and_table_variants_agree(monkeypatch, vocab, dtype, draft_probs):
     """The Triton chain kernel's variants on one batch: chunk tables stored from registers by
-    inline PTX (default) or by tl.store write the same values, so the tokens are identical; whole-
+    inline PTX (default) or by tl.store write the same values, and the L2 prefetch (default for
+    16-bit logits) changes no value, so the tokens are identical; whole-
     chunk tiles (SPECDEC_TRITON_HALVES=0) sum in another order, so they agree but for near-ties."""
     from specdec_kernels import triton_rejection_sample as trs
     assert trs.asm_table_enabled(torch.device("cuda")) == trs.ASM_TABLE
     outputs = {}
-    for halves, asm in ((True, True), (True, False), (False, True)):
+    for halves, asm, prefetch in ((True, True, trs.PREFETCH), (True, False, 0), (False, True, trs.PREFETCH)):
         monkeypatch.setattr(trs, "HALVES", halves)
         monkeypatch.setattr(trs, "ASM_TABLE", asm)
+        monkeypatch.setattr(trs, "PREFETCH", prefetch)
         for method in ("token", "block"):
             args = random_batch(96, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=method == "token",
                                 seed=vocab % 89 + draft_probs, device="cuda")
