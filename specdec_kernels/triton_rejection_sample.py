@@ -11,7 +11,8 @@ probabilities, one more program per (request, split) for the residual:
   Each program writes one record to the workspace and counts itself on its request; a
   row's first program also records its draft token's logit and draft probability, loaded
   while it streams, so the accept tests read only records. Tiles are two half-chunk tensors
-  and the chunk tables are stored from registers (``_stream_tile``, ``_store_table``).
+  and the chunk tables are stored from registers (``_stream_tile``, ``_store_table``); with
+  16-bit logits on sm_90 L2 is asked for the tile two ahead (``_prefetch_l2``).
 - without draft probabilities the last phase-1 program of a request (the counter tells)
   combines the records, runs the accept tests of all positions at once and writes the
   outputs: every logit is read once, nothing else is read.
