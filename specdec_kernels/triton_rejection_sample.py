@@ -63,7 +63,7 @@ ASM_TABLE = os.environ.get("SPECDEC_TRITON_ASM_TABLE", "1") != "0"
 # tiles took 112-120 registers, four programs per SM and a second wave (docs/PERF.md).
 MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
 # 16-bit logits: the whole-tile loop asks L2 for the tile PREFETCH tiles ahead (cp.async.bulk
-# prefetch, one request per warp, no registers held), so the register load one tile ahead hits L2
+# prefetch, one request per program, no registers held), so the register load one tile ahead hits L2
 # (docs/PERF.md, "Triton: an L2 prefetch"). 0 = off; CUDA only (the interpreter runs no PTX).
 PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
 
