@@ -56,12 +56,12 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
             return lambda *args, **kwargs: captured.update(args=args, kwargs=kwargs)
 
     saved = (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
-             module.prefetch_tiles)
+             module._sm90)
     module._rejection_sample_kernel = Capture()
     module._target_programs = lambda device, programs_per_sm=module.PROGRAMS_PER_SM: programs_per_sm * sms
     module.pdl_enabled = lambda device: True
     module.asm_table_enabled = lambda device: module.ASM_TABLE
-    module.prefetch_tiles = lambda device, dtype: module.PREFETCH if dtype.itemsize == 2 and module.PREFETCH > 1 else 0
+    module._sm90 = lambda device: True  # the launcher's own rules then hold (prefetch_tiles)
     try:
         module.rejection_sample_triton(
             torch.zeros(batch * (k + 1), vocab, dtype=dtype), torch.zeros(batch * k, dtype=torch.int64),
@@ -70,7 +70,7 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
             torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), k)
     finally:
         (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
-         module.prefetch_tiles) = saved
+         module._sm90) = saved
     return captured["args"], captured["kwargs"]
 
 

@@ -932,23 +932,25 @@ def wide_logit_rows(logits_dtype: torch.dtype, has_draft_probs: bool, num_rows: 
 
 
 @functools.lru_cache(maxsize=None)
+def _sm90(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0+ (asked once per device: the launcher's path)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch for the chain kernel: on CUDA devices of compute
     capability 9.0+ when this Triton has grid dependency control, unless SPECDEC_TRITON_PDL=0
     (read once per device). The next kernel in the stream may then be scheduled while this one
     drains; each kernel still waits for the one before it (``_gdc_wait``)."""
-    if device.type != "cuda" or _gdc_wait is None or os.environ.get("SPECDEC_TRITON_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _gdc_wait is not None and os.environ.get("SPECDEC_TRITON_PDL", "1") != "0" and _sm90(device)
 
 
 def prefetch_tiles(device: torch.device, logits_dtype: torch.dtype) -> int:
     """How far ahead the whole-tile loop asks L2 for tiles (``_prefetch_l2``): PREFETCH for 16-bit
     logits on CUDA devices of compute capability 9.0+ (the bulk prefetch is sm_90), else 0. 4-byte
     logits measured level with it (docs/PERF.md)."""
-    if device.type != "cuda" or logits_dtype.itemsize != 2 or PREFETCH < 2:
-        return 0
-    return PREFETCH if torch.cuda.get_device_capability(device)[0] >= 9 else 0
+    return PREFETCH if PREFETCH > 1 and logits_dtype.itemsize == 2 and _sm90(device) else 0
 
 
 def asm_table_enabled(device: torch.device) -> bool:
