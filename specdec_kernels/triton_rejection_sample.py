@@ -66,10 +66,11 @@ MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
 # prefetch, one request per program, no registers held), so the register load one tile ahead hits L2
 # (docs/PERF.md, "Triton: an L2 prefetch"). 0 = off; CUDA only (the interpreter runs no PTX).
 PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
-# Calls without draft probabilities and filters draw each random row's sample during its stream
-# (``_stream_tile_sampled``): each split records its best race score and token, and the finalizer
-# only picks among the splits of row t* (no chunk table, no race, no second read of a chunk after
-# the count). 0 = the chunk-table path (A/B timings; docs/PERF.md).
+# Calls without draft probabilities and filters run each random row's chunk race during its stream
+# (``_stream_tile_raced``) and sample the split's winning chunk at the split's end: each split
+# records its best race score and token, and the finalizer only picks among the splits of row t*
+# (no chunk table, no race over the row, no read of a chunk after the count). 0 = the chunk-table
+# path (A/B timings; docs/PERF.md).
 SAMPLE_IN_STREAM = os.environ.get("SPECDEC_TRITON_STREAM_SAMPLE", "1") != "0"
 
 
@@ -201,30 +202,27 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 
 
 @triton.jit
-def _chunk_noise(noise_u_row, noise_g_row, c_lo, c_hi, seed, offset, node, STREAM_SAMPLE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """The sampler's noise of chunks c_lo .. c_hi - 1 of one row, one Philox call per chunk (as
-    ``_race_winner`` and ``_sample_in_chunk`` draw it): the in-chunk uniform (word 0) into
-    ``noise_u_row`` and the race's Gumbel noise -log2(-log2(v)) (word 1) into ``noise_g_row``,
-    for ``_stream_tile_sampled`` to load per tile. Ends with a CTA barrier: the tiles' loads are
-    by other threads than these stores."""
+def _chunk_noise(noise_row, c_lo, c_hi, seed, offset, node, STREAM_SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
+    """The race's Gumbel noise -log2(-log2(v_c)) of chunks c_lo .. c_hi - 1 of one row (word 1 of
+    the chunk's Philox call, as ``_race_winner`` draws it) into ``noise_row``, for
+    ``_stream_tile_raced`` to load per tile. Ends with a CTA barrier: the tiles' loads are by
+    other threads than these stores."""
     for c0 in range(c_lo, c_hi, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, node, c)
-        tl.store(noise_u_row + c, _uniform(w0), mask=c < c_hi)
-        tl.store(noise_g_row + c, -tl.log2(-tl.log2(_open_uniform(w1))), mask=c < c_hi)
+        tl.store(noise_row + c, -tl.log2(-tl.log2(_open_uniform(w1))), mask=c < c_hi)
     tl.debug_barrier()
 
 
 @triton.jit
-def _stream_tile_sampled(raw, tile_start, chunks, tile_lane, k, excluded, m_vec, s_vec, race_vec, tok_vec,
-                         noise_u_row, noise_g_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                         raw_hi=None, HALVES: tl.constexpr = False):
-    """``_stream_tile`` for a random, unfiltered row whose sample is drawn during the stream
-    (SAMPLED): no chunk table; instead each chunk's in-chunk inverse-CDF sample (``_sample_in_chunk``
-    with the chunk's noise) and race score log2(W_c) + g_c, relative to the chunk max, and per
-    tile row the best so far: ``race_vec`` (relative to ``m_vec``, the tile row's running max) and
-    its token ``tok_vec``. Ties keep the earlier chunk, as the race's lowest index does."""
+def _stream_tile_raced(raw, tile_start, chunks, tile_lane, k, excluded, m_vec, s_vec, race_vec, chunk_vec,
+                       noise_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr, raw_hi=None,
+                       HALVES: tl.constexpr = False):
+    """``_stream_tile`` for a random, unfiltered row whose chunk race is run during the stream
+    (SAMPLED): no chunk table; each chunk's race score log2(W_c) + g_c (W_c: its total without the
+    deterministic draft, relative to its max; g_c: its noise, ``_chunk_noise``) and per tile row the
+    best so far, ``race_vec`` relative to the tile row's running max ``m_vec``, and its chunk
+    ``chunk_vec``. Ties keep the earlier chunk, as the race's lowest index does."""
     HALF: tl.constexpr = CHUNK // 2
     lg = _sanitize(raw.to(tl.float32))
     if HALVES:
@@ -239,34 +237,24 @@ def _stream_tile_sampled(raw, tile_start, chunks, tile_lane, k, excluded, m_vec,
         s_c = tl.sum(w + w_hi, 1)
     else:
         s_c = tl.sum(w, 1)
-    # The sampled weights leave the deterministic draft out; the row's sum keeps it.
+    w_chunk = s_c
     rel = excluded - tile_start
     if (rel >= 0) & (rel < GROUP * CHUNK):
-        w = tl.where(tile_lane == rel, 0.0, w)
         if HALVES:
-            w_hi = tl.where(tile_lane + HALF == rel, 0.0, w_hi)
-    prefix = tl.cumsum(w, 1)
-    total = tl.max(prefix, 1)  # the prefix's own end, so u * total is always reached
-    if HALVES:
-        prefix_hi = total[:, None] + tl.cumsum(w_hi, 1)
-        total = tl.max(prefix_hi, 1)
-    in_table = chunks < num_chunks
-    threshold = tl.load(noise_u_row + chunks, mask=in_table, other=0.0) * total
-    tok_c = tl.min(tl.where((w > 0.0) & (prefix >= threshold[:, None]), tile_start + tile_lane, 2147483647), 1)
-    if HALVES:
-        tok_hi = tl.where((w_hi > 0.0) & (prefix_hi >= threshold[:, None]), tile_start + tile_lane + HALF, 2147483647)
-        tok_c = tl.minimum(tok_c, tl.min(tok_hi, 1))
-    g_c = tl.load(noise_g_row + chunks, mask=in_table, other=float("-inf"))
+            w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w) + tl.where(tile_lane + HALF == rel, 0.0, w_hi), 1)
+        else:
+            w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
+    g_c = tl.load(noise_row + chunks, mask=chunks < num_chunks, other=float("-inf"))
     m_new = tl.maximum(m_vec, m_c)
     # Scores relative to m_new (guards: -inf - -inf is NaN).
-    cand = tl.where((total > 0.0) & (m_c > float("-inf")), tl.log2(total) + g_c + (m_c - m_new) * k, float("-inf"))
+    cand = tl.where(w_chunk > 0.0, tl.log2(w_chunk) + g_c + (m_c - m_new) * k, float("-inf"))
     best = tl.where(m_vec > float("-inf"), race_vec + (m_vec - m_new) * k, float("-inf"))
     take = cand > best
     race_vec = tl.where(take, cand, best)
-    tok_vec = tl.where(take, tok_c, tok_vec)
+    chunk_vec = tl.where(take, chunks, chunk_vec)
     s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
         + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
-    return m_new, s_vec, race_vec, tok_vec
+    return m_new, s_vec, race_vec, chunk_vec
 
 
 @triton.jit
@@ -274,12 +262,12 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
                        table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                        first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
                        HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = 0, race_vec=None, tok_vec=None, SAMPLED: tl.constexpr = False):
+                       PREFETCH: tl.constexpr = 0, race_vec=None, chunk_vec=None, SAMPLED: tl.constexpr = False):
     """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
     this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and ``first_raw_hi``), loaded by
     the caller. PREFETCH > 1: L2 is asked for the tile PREFETCH ahead (``_prefetch_l2``) where the
-    row is 16-byte aligned, so the load one tile ahead finds it there. SAMPLED: the row's sample
-    is drawn during the stream (``_stream_tile_sampled``, its noise in the table rows)."""
+    row is 16-byte aligned, so the load one tile ahead finds it there. SAMPLED: the row's chunk
+    race is run during the stream (``_stream_tile_raced``, its noise in ``table_w_row``)."""
     HALF: tl.constexpr = CHUNK // 2
     if HAS_FIRST:
         raw_next = first_raw
@@ -304,15 +292,15 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
             raw_next_hi = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + HALF + tile_lane, mask=grp + 1 < g_hi,
                                   other=0.0)
         if SAMPLED:
-            m_vec, s_vec, race_vec, tok_vec = _stream_tile_sampled(
+            m_vec, s_vec, race_vec, chunk_vec = _stream_tile_raced(
                 raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, excluded, m_vec, s_vec,
-                race_vec, tok_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, raw_hi, HALVES)
+                race_vec, chunk_vec, table_w_row, num_chunks, CHUNK, GROUP, raw_hi, HALVES)
         else:
             m_vec, s_vec, am_vec = _stream_tile(
                 raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec,
                 s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, float("-inf"), False, raw_hi,
                 HALVES, ASM_TABLE)
-    return m_vec, s_vec, am_vec, race_vec, tok_vec
+    return m_vec, s_vec, am_vec, race_vec, chunk_vec
 
 
 @triton.jit
@@ -367,8 +355,9 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
     loaded with entries past the vocabulary as -inf, is ``first_raw`` (``first_raw_hi``).
     HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``).
     SAMPLED (unfiltered calls; random rows): no chunk table, the split's part of the row's
-    sample instead (``_stream_tile_sampled``): its best race score relative to its max, and that
-    chunk's token (-1: none). Returns (max, sum, argmax, race score, token)."""
+    sample instead: its best chunk of the race (``_stream_tile_raced``), its score relative to the
+    split's max, and that chunk's in-chunk sample (-1: none). Returns (max, sum, argmax, race
+    score, token)."""
     NEG_INF: tl.constexpr = float("-inf")
     HALF: tl.constexpr = CHUNK // 2
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
@@ -377,15 +366,15 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
     s_vec = tl.zeros([GROUP], tl.float32)
     am_vec = tl.full([GROUP], 2147483647, tl.int32)
     race_vec = tl.full([GROUP], NEG_INF, tl.float32)
-    tok_vec = tl.full([GROUP], 2147483647, tl.int32)
+    chunk_vec = tl.full([GROUP], 2147483647, tl.int32)
     tile_lane = chunk_in_group[:, None] * CHUNK + lane
     full_groups = vocab_size // (GROUP * CHUNK)
     full_hi = tl.minimum(g_hi, full_groups)
     if SAMPLED:
         if row_ok & (greedy == 0):
             # The split's noise, drawn while its first tile is in flight.
-            _chunk_noise(table_m_row, table_w_row, g_lo * GROUP, tl.minimum(g_hi * GROUP, num_chunks), seed, offset,
-                         node, STREAM_SAMPLE, NOISE_BLOCK)
+            _chunk_noise(table_w_row, g_lo * GROUP, tl.minimum(g_hi * GROUP, num_chunks), seed, offset, node,
+                         STREAM_SAMPLE, NOISE_BLOCK)
     if row_ok & (g_lo < full_hi):
         # Whole tiles. Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the
         # compiler drops the other branch) take the plain loop, also in a filtered call.
@@ -399,15 +388,15 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
             if SAMPLED:
                 sampled = not greedy
             if sampled:
-                m_vec, s_vec, am_vec, race_vec, tok_vec = _stream_full_tiles(
+                m_vec, s_vec, am_vec, race_vec, chunk_vec = _stream_full_tiles(
                     row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
                     am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                    HALVES, ASM_TABLE, PREFETCH, race_vec, tok_vec, True)
+                    HALVES, ASM_TABLE, PREFETCH, race_vec, chunk_vec, True)
             else:
-                m_vec, s_vec, am_vec, race_vec, tok_vec = _stream_full_tiles(
+                m_vec, s_vec, am_vec, race_vec, chunk_vec = _stream_full_tiles(
                     row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
                     am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                    HALVES, ASM_TABLE, PREFETCH, race_vec, tok_vec, False)
+                    HALVES, ASM_TABLE, PREFETCH, race_vec, chunk_vec, False)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
@@ -434,28 +423,33 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
         if SAMPLED:
             sampled_tail = not greedy
         if sampled_tail:
-            m_vec, s_vec, race_vec, tok_vec = _stream_tile_sampled(
+            m_vec, s_vec, race_vec, chunk_vec = _stream_tile_raced(
                 raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, excluded, m_vec, s_vec,
-                race_vec, tok_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, raw_hi, HALVES)
+                race_vec, chunk_vec, table_w_row, num_chunks, CHUNK, GROUP, raw_hi, HALVES)
         else:
             m_vec, s_vec, am_vec = _stream_tile(
                 raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
                 excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
                 thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE)
     m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
-    race_run, tok_run = _combine_race(m_vec, race_vec, tok_vec, m_run, k)
+    race_run, tok_run = _combine_race(m_vec, race_vec, chunk_vec, m_run, k)
+    if SAMPLED:
+        if not greedy:
+            # The split's winning chunk sampled now, while its logits are still in L2: the token.
+            tok_run = _sample_in_chunk(row_ptr, row_ptr, tok_run, vocab_size, row_ok, k, excluded, 0.0, 1.0, seed,
+                                       offset, node, False, CHUNK, STREAM_SAMPLE)
     return m_run, s_run, am_run, race_run, tok_run
 
 
 @triton.jit
-def _combine_race(m_vec, race_vec, tok_vec, m_run, k):
-    """A split's best race score, relative to its max m_run, and that chunk's token (-1: none)
-    from its tile rows' (SAMPLED); ties take the lowest token, as the race takes the lowest chunk."""
+def _combine_race(m_vec, race_vec, chunk_vec, m_run, k):
+    """A split's best race score, relative to its max m_run, and its chunk (-1: none) from its tile
+    rows' (SAMPLED); ties take the lowest chunk, as the race does."""
     score = tl.where((m_vec > float("-inf")) & (race_vec > float("-inf")), race_vec + (m_vec - m_run) * k,
                      float("-inf"))
     best = tl.max(score, 0)
-    tok = tl.min(tl.where(score == best, tok_vec, 2147483647), 0)
-    return best, tl.where((best > float("-inf")) & (tok != 2147483647), tok, -1)
+    chunk = tl.min(tl.where(score == best, chunk_vec, 2147483647), 0)
+    return best, tl.where((best > float("-inf")) & (chunk != 2147483647), chunk, -1)
 
 
 @triton.jit
