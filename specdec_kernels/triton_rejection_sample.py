@@ -67,10 +67,10 @@ MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
 # (docs/PERF.md, "Triton: an L2 prefetch"). 0 = off; CUDA only (the interpreter runs no PTX).
 PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
 # Calls without draft probabilities and filters run each random row's chunk race during its stream
-# (``_stream_tile_raced``) and sample the split's winning chunk at the split's end: each split
-# records its best race score and token, and the finalizer only picks among the splits of row t*
-# (no chunk table, no race over the row, no read of a chunk after the count). 0 = the chunk-table
-# path (A/B timings; docs/PERF.md).
+# (``_stream_tile_raced``): each split records its best chunk and score, and the finalizer picks the
+# winner among the splits of row t* from records loaded with the others, then samples inside it (no
+# chunk table, no race over the row's chunks after the count). 0 = the chunk-table path (A/B
+# timings; docs/PERF.md).
 SAMPLE_IN_STREAM = os.environ.get("SPECDEC_TRITON_STREAM_SAMPLE", "1") != "0"
 
 
@@ -354,10 +354,9 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
     loaded with entries past the vocabulary as -inf, is ``first_raw`` (``first_raw_hi``).
     HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``).
-    SAMPLED (unfiltered calls; random rows): no chunk table, the split's part of the row's
-    sample instead: its best chunk of the race (``_stream_tile_raced``), its score relative to the
-    split's max, and that chunk's in-chunk sample (-1: none). Returns (max, sum, argmax, race
-    score, token)."""
+    SAMPLED (unfiltered calls; random rows): no chunk table, the split's part of the row's chunk
+    race instead (``_stream_tile_raced``): its best chunk (-1: none) and that chunk's score
+    relative to the split's max. Returns (max, sum, argmax, race score, race chunk)."""
     NEG_INF: tl.constexpr = float("-inf")
     HALF: tl.constexpr = CHUNK // 2
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
@@ -432,13 +431,8 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
                 excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
                 thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE)
     m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
-    race_run, tok_run = _combine_race(m_vec, race_vec, chunk_vec, m_run, k)
-    if SAMPLED:
-        if not greedy:
-            # The split's winning chunk sampled now, while its logits are still in L2: the token.
-            tok_run = _sample_in_chunk(row_ptr, row_ptr, tok_run, vocab_size, row_ok, k, excluded, 0.0, 1.0, seed,
-                                       offset, node, False, CHUNK, STREAM_SAMPLE)
-    return m_run, s_run, am_run, race_run, tok_run
+    race_run, chunk_run = _combine_race(m_vec, race_vec, chunk_vec, m_run, k)
+    return m_run, s_run, am_run, race_run, chunk_run
 
 
 @triton.jit
@@ -537,19 +531,20 @@ def _race_winner(table_m_ptr, table_w_ptr, num_chunks, row_max, k, seed, offset,
 
 
 @triton.jit
-def _split_samples_winner(split_m, split_race, split_tok, rr, t_star, row_max, k):
-    """The race among the splits of row t_star (SAMPLED): each split's best score, relative to
-    its max, made relative to the row max as ``_race_winner``'s scores are; the winner's token,
-    the lowest on ties (-1 if every chunk of the row is empty). Inputs are [ROWS, SPLITS] records."""
+def _split_race_winner(split_m, split_race, split_chunk, rr, t_star, row_max, k):
+    """``_race_winner`` of row t_star from its splits' races (SAMPLED): each split's best score,
+    relative to its max, made relative to the row max as ``_race_winner``'s scores are; the
+    winning chunk, the lowest on ties (-1 if every chunk of the row is empty). Inputs are
+    [ROWS, SPLITS] records."""
     sel = rr == t_star
     m_s = tl.max(tl.where(sel, split_m, float("-inf")), 0)
     race_s = tl.max(tl.where(sel, split_race, float("-inf")), 0)
-    tok_s = tl.max(tl.where(sel, split_tok, -1), 0)
-    score = tl.where((m_s > float("-inf")) & (race_s > float("-inf")) & (tok_s >= 0), race_s + (m_s - row_max) * k,
+    chunk_s = tl.max(tl.where(sel, split_chunk, -1), 0)
+    score = tl.where((m_s > float("-inf")) & (race_s > float("-inf")) & (chunk_s >= 0), race_s + (m_s - row_max) * k,
                      float("-inf"))
     best = tl.max(score, 0)
-    tok = tl.min(tl.where(score == best, tok_s, 2147483647), 0)
-    return tl.where((best > float("-inf")) & (tok != 2147483647), tok, -1)
+    chunk = tl.min(tl.where(score == best, chunk_s, 2147483647), 0)
+    return tl.where((best > float("-inf")) & (chunk != 2147483647), chunk, -1)
 
 
 @triton.jit
@@ -727,7 +722,7 @@ def _rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr,
-    rec_race_ptr, rec_tok_ptr, counter_ptr,
+    rec_race_ptr, rec_chunk_ptr, counter_ptr,
     thr_ptr, cmax_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
@@ -821,7 +816,7 @@ def _rejection_sample_kernel(
         table_m_row = table_m_ptr + slot * num_chunks
         table_w_row = table_w_ptr + slot * num_chunks
         if UNIFORM:
-            m_run, s_run, am_run, race_run, tok_run = _stream_split(
+            m_run, s_run, am_run, race_run, chunk_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
                 first_raw_hi, HALVES, ASM_TABLE, PREFETCH, seed, offset, t, STREAM_SAMPLE, SAMPLED, NOISE_BLOCK)
@@ -834,7 +829,7 @@ def _rejection_sample_kernel(
             s_run = tl.zeros([], tl.float32)
             am_run = tl.full([], -1, tl.int32)
             race_run = tl.full([], NEG_INF, tl.float32)
-            tok_run = tl.full([], -1, tl.int32)
+            chunk_run = tl.full([], -1, tl.int32)
             miss = tl.full([], True, tl.int1)
         if miss:
             # Ragged batches, and the guess's misses (malformed offsets only).
@@ -863,7 +858,7 @@ def _rejection_sample_kernel(
                     # Its statistics are the pass's, its chunk table too (``_row_table``).
                     m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, slot, s_idx)
                 else:
-                    m_run, s_run, am_run, race_run, tok_run = _stream_split(
+                    m_run, s_run, am_run, race_run, chunk_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
                         HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, seed, offset, t, STREAM_SAMPLE,
@@ -875,7 +870,7 @@ def _rejection_sample_kernel(
             tl.store(rec_am_ptr + rec, am_run)
             if SAMPLED:
                 tl.store(rec_race_ptr + rec, race_run)
-                tl.store(rec_tok_ptr + rec, tok_run)
+                tl.store(rec_chunk_ptr + rec, chunk_run)
             if (s_idx == 0) & (t < n):
                 tl.store(rec_lx_ptr + slot, draft_lx)
                 if HAS_DRAFT_PROBS:
@@ -886,7 +881,7 @@ def _rejection_sample_kernel(
                 if done == (n + 1) * num_splits:
                     tl.debug_barrier()
                     if SAMPLED:
-                        # Every row's split samples, loaded with the records the decision reads.
+                        # Every row's split races, loaded with the records the decision reads.
                         rr = tl.arange(0, ROWS_PAD)[:, None]
                         ss = tl.arange(0, SPLITS_PAD)[None, :]
                         rec_rs = (b * (max_spec_len + 1) + rr) * num_splits + ss
@@ -894,7 +889,8 @@ def _rejection_sample_kernel(
                         split_m = tl.load(rec_m_ptr + rec_rs, mask=rec_rs_mask, other=NEG_INF, cache_modifier=".cg")
                         split_race = tl.load(rec_race_ptr + rec_rs, mask=rec_rs_mask, other=NEG_INF,
                                              cache_modifier=".cg")
-                        split_tok = tl.load(rec_tok_ptr + rec_rs, mask=rec_rs_mask, other=-1, cache_modifier=".cg")
+                        split_chunk = tl.load(rec_chunk_ptr + rec_rs, mask=rec_rs_mask, other=-1,
+                                              cache_modifier=".cg")
                     t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
                         b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr,
                         rec_px_ptr, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
@@ -913,20 +909,20 @@ def _rejection_sample_kernel(
                         row = cu_lo + b + t_star
                         row_ok = (row >= 0) & (row < num_rows)
                         row_ptr = logits_ptr + row * logits_row_stride
+                        x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
                         if SAMPLED:
-                            token = _split_samples_winner(split_m, split_race, split_tok, rr, t_star,
-                                                          _pick(row_max, rows, t_star), k)
+                            chunk = _split_race_winner(split_m, split_race, split_chunk, rr, t_star,
+                                                       _pick(row_max, rows, t_star), k)
                         else:
-                            x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
                             slot_star = b * (max_spec_len + 1) + t_star
                             table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, slot_star, cmax_ptr,
                                                                   kept_w_ptr, kept_z_ptr, slot_star, num_chunks,
                                                                   HAS_FILTERS)
                             chunk = _race_winner(table_m_row, table_w_row, num_chunks, _pick(row_max, rows, t_star),
                                                  k, seed, offset, t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
-                            token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
-                                                     x_star, 0.0, 1.0, seed, offset, t_star, False, CHUNK,
-                                                     STREAM_SAMPLE, 1.0, _pick(thr, rows, t_star), HAS_FILTERS)
+                        token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
+                                                 x_star, 0.0, 1.0, seed, offset, t_star, False, CHUNK,
+                                                 STREAM_SAMPLE, 1.0, _pick(thr, rows, t_star), HAS_FILTERS)
                         if token < 0:
                             # q minus the rejected draft is empty only if q is a point mass.
                             token = _row_argmax(row_ptr, row_ok, vocab_size, GROUP * CHUNK)
@@ -1174,7 +1170,7 @@ def rejection_sample_triton(
     n_residual = B * residual_rows * num_chunks
     n_records = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
     n_f32 = n_records + 2 * slots
-    # Stream sampling (SAMPLED): each phase-1 unit's race score (f32) and token (i32).
+    # Stream races (SAMPLED): each phase-1 unit's race score (f32) and chunk (i32).
     sampled = SAMPLE_IN_STREAM and not has_draft_probs and not has_filters
     n_race = units_phase1 if sampled else 0
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
@@ -1198,7 +1194,7 @@ def rejection_sample_triton(
     rec_px = f32[n_records + slots:n_f32]
     # (after the threshold pass's part: never both in one call, but no overlap either way)
     rec_race = f32[n_f32 + flt_f32:n_f32 + flt_f32 + n_race] if sampled else f32
-    rec_tok = i32[units_phase1 + flt_i32:units_phase1 + flt_i32 + n_race] if sampled else i32
+    rec_chunk = i32[units_phase1 + flt_i32:units_phase1 + flt_i32 + n_race] if sampled else i32
     _rejection_sample_kernel[(units_total,)](
         target_logits, target_logits.stride(0),
         draft_token_ids, draft_token_ids.shape[0],
@@ -1209,7 +1205,7 @@ def rejection_sample_triton(
         seeds,
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
-        rec_m, rec_s, i32, rec_lx, rec_px, table_m, table_w, table_r, residual_sum, rec_race, rec_tok, counters,
+        rec_m, rec_s, i32, rec_lx, rec_px, table_m, table_w, table_r, residual_sum, rec_race, rec_chunk, counters,
         *filt,
         B, R, V, L,
         num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
