@@ -66,12 +66,6 @@ MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
 # prefetch, one request per program, no registers held), so the register load one tile ahead hits L2
 # (docs/PERF.md, "Triton: an L2 prefetch"). 0 = off; CUDA only (the interpreter runs no PTX).
 PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
-# Calls without draft probabilities and filters run each random row's chunk race during its stream
-# (``_stream_tile_raced``): each split records its best chunk and score, and the finalizer picks the
-# winner among the splits of row t* from records loaded with the others, then samples inside it (no
-# chunk table, no race over the row's chunks after the count). 0 = the chunk-table path (A/B
-# timings; docs/PERF.md).
-SAMPLE_IN_STREAM = os.environ.get("SPECDEC_TRITON_STREAM_SAMPLE", "1") != "0"
 
 
 @triton.jit
@@ -202,72 +196,15 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
 
 
 @triton.jit
-def _chunk_noise(noise_row, c_lo, c_hi, seed, offset, node, STREAM_SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
-    """The race's Gumbel noise -log2(-log2(v_c)) of chunks c_lo .. c_hi - 1 of one row (word 1 of
-    the chunk's Philox call, as ``_race_winner`` draws it) into ``noise_row``, for
-    ``_stream_tile_raced`` to load per tile. Ends with a CTA barrier: the tiles' loads are by
-    other threads than these stores."""
-    for c0 in range(c_lo, c_hi, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, node, c)
-        tl.store(noise_row + c, -tl.log2(-tl.log2(_open_uniform(w1))), mask=c < c_hi)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _stream_tile_raced(raw, tile_start, chunks, tile_lane, k, excluded, m_vec, s_vec, race_vec, chunk_vec,
-                       noise_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr, raw_hi=None,
-                       HALVES: tl.constexpr = False):
-    """``_stream_tile`` for a random, unfiltered row whose chunk race is run during the stream
-    (SAMPLED): no chunk table; each chunk's race score log2(W_c) + g_c (W_c: its total without the
-    deterministic draft, relative to its max; g_c: its noise, ``_chunk_noise``) and per tile row the
-    best so far, ``race_vec`` relative to the tile row's running max ``m_vec``, and its chunk
-    ``chunk_vec``. Ties keep the earlier chunk, as the race's lowest index does."""
-    HALF: tl.constexpr = CHUNK // 2
-    lg = _sanitize(raw.to(tl.float32))
-    if HALVES:
-        lg_hi = _sanitize(raw_hi.to(tl.float32))
-        m_c = tl.max(tl.maximum(lg, lg_hi), 1)
-    else:
-        m_c = tl.max(lg, 1)
-    m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
-    w = tl.exp2((lg - m_safe[:, None]) * k)
-    if HALVES:
-        w_hi = tl.exp2((lg_hi - m_safe[:, None]) * k)
-        s_c = tl.sum(w + w_hi, 1)
-    else:
-        s_c = tl.sum(w, 1)
-    w_chunk = s_c
-    rel = excluded - tile_start
-    if (rel >= 0) & (rel < GROUP * CHUNK):
-        if HALVES:
-            w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w) + tl.where(tile_lane + HALF == rel, 0.0, w_hi), 1)
-        else:
-            w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
-    g_c = tl.load(noise_row + chunks, mask=chunks < num_chunks, other=float("-inf"))
-    m_new = tl.maximum(m_vec, m_c)
-    # Scores relative to m_new (guards: -inf - -inf is NaN).
-    cand = tl.where(w_chunk > 0.0, tl.log2(w_chunk) + g_c + (m_c - m_new) * k, float("-inf"))
-    best = tl.where(m_vec > float("-inf"), race_vec + (m_vec - m_new) * k, float("-inf"))
-    take = cand > best
-    race_vec = tl.where(take, cand, best)
-    chunk_vec = tl.where(take, chunks, chunk_vec)
-    s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
-        + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
-    return m_new, s_vec, race_vec, chunk_vec
-
-
-@triton.jit
 def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
                        table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                        first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
                        HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = 0, race_vec=None, chunk_vec=None, SAMPLED: tl.constexpr = False):
+                       PREFETCH: tl.constexpr = 0):
     """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
     this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and ``first_raw_hi``), loaded by
     the caller. PREFETCH > 1: L2 is asked for the tile PREFETCH ahead (``_prefetch_l2``) where the
-    row is 16-byte aligned, so the load one tile ahead finds it there. SAMPLED: the row's chunk
-    race is run during the stream (``_stream_tile_raced``, its noise in ``table_w_row``)."""
+    row is 16-byte aligned, so the load one tile ahead finds it there."""
     HALF: tl.constexpr = CHUNK // 2
     if HAS_FIRST:
         raw_next = first_raw
@@ -291,16 +228,11 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
         if HALVES:
             raw_next_hi = tl.load(row_ptr + (grp + 1) * (GROUP * CHUNK) + HALF + tile_lane, mask=grp + 1 < g_hi,
                                   other=0.0)
-        if SAMPLED:
-            m_vec, s_vec, race_vec, chunk_vec = _stream_tile_raced(
-                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, excluded, m_vec, s_vec,
-                race_vec, chunk_vec, table_w_row, num_chunks, CHUNK, GROUP, raw_hi, HALVES)
-        else:
-            m_vec, s_vec, am_vec = _stream_tile(
-                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec,
-                s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, float("-inf"), False, raw_hi,
-                HALVES, ASM_TABLE)
-    return m_vec, s_vec, am_vec, race_vec, chunk_vec
+        m_vec, s_vec, am_vec = _stream_tile(
+            raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec, s_vec,
+            am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, float("-inf"), False, raw_hi, HALVES,
+            ASM_TABLE)
+    return m_vec, s_vec, am_vec
 
 
 @triton.jit
@@ -346,17 +278,12 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
-                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                  seed=0, offset=0, node=0, STREAM_SAMPLE: tl.constexpr = 1, SAMPLED: tl.constexpr = False,
-                  NOISE_BLOCK: tl.constexpr = 128):
+                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
     loaded with entries past the vocabulary as -inf, is ``first_raw`` (``first_raw_hi``).
-    HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``).
-    SAMPLED (unfiltered calls; random rows): no chunk table, the split's part of the row's chunk
-    race instead (``_stream_tile_raced``): its best chunk (-1: none) and that chunk's score
-    relative to the split's max. Returns (max, sum, argmax, race score, race chunk)."""
+    HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``)."""
     NEG_INF: tl.constexpr = float("-inf")
     HALF: tl.constexpr = CHUNK // 2
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
@@ -364,16 +291,9 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
     m_vec = tl.full([GROUP], NEG_INF, tl.float32)
     s_vec = tl.zeros([GROUP], tl.float32)
     am_vec = tl.full([GROUP], 2147483647, tl.int32)
-    race_vec = tl.full([GROUP], NEG_INF, tl.float32)
-    chunk_vec = tl.full([GROUP], 2147483647, tl.int32)
     tile_lane = chunk_in_group[:, None] * CHUNK + lane
     full_groups = vocab_size // (GROUP * CHUNK)
     full_hi = tl.minimum(g_hi, full_groups)
-    if SAMPLED:
-        if row_ok & (greedy == 0):
-            # The split's noise, drawn while its first tile is in flight.
-            _chunk_noise(table_w_row, g_lo * GROUP, tl.minimum(g_hi * GROUP, num_chunks), seed, offset, node,
-                         STREAM_SAMPLE, NOISE_BLOCK)
     if row_ok & (g_lo < full_hi):
         # Whole tiles. Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the
         # compiler drops the other branch) take the plain loop, also in a filtered call.
@@ -383,19 +303,10 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
                 excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HALVES,
                 ASM_TABLE)
         else:
-            sampled = False
-            if SAMPLED:
-                sampled = not greedy
-            if sampled:
-                m_vec, s_vec, am_vec, race_vec, chunk_vec = _stream_full_tiles(
-                    row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
-                    am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                    HALVES, ASM_TABLE, PREFETCH, race_vec, chunk_vec, True)
-            else:
-                m_vec, s_vec, am_vec, race_vec, chunk_vec = _stream_full_tiles(
-                    row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
-                    am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                    HALVES, ASM_TABLE, PREFETCH, race_vec, chunk_vec, False)
+            m_vec, s_vec, am_vec = _stream_full_tiles(
+                row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
+                am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
+                HALVES, ASM_TABLE, PREFETCH)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
@@ -418,32 +329,11 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
                                   tl.load(row_ptr + HALF + offs, mask=in_row_hi & (tail != g_lo), other=NEG_INF))
             else:
                 raw_hi = tl.load(row_ptr + HALF + offs, mask=in_row_hi, other=NEG_INF)
-        sampled_tail = False
-        if SAMPLED:
-            sampled_tail = not greedy
-        if sampled_tail:
-            m_vec, s_vec, race_vec, chunk_vec = _stream_tile_raced(
-                raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, excluded, m_vec, s_vec,
-                race_vec, chunk_vec, table_w_row, num_chunks, CHUNK, GROUP, raw_hi, HALVES)
-        else:
-            m_vec, s_vec, am_vec = _stream_tile(
-                raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
-                excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE)
-    m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
-    race_run, chunk_run = _combine_race(m_vec, race_vec, chunk_vec, m_run, k)
-    return m_run, s_run, am_run, race_run, chunk_run
-
-
-@triton.jit
-def _combine_race(m_vec, race_vec, chunk_vec, m_run, k):
-    """A split's best race score, relative to its max m_run, and its chunk (-1: none) from its tile
-    rows' (SAMPLED); ties take the lowest chunk, as the race does."""
-    score = tl.where((m_vec > float("-inf")) & (race_vec > float("-inf")), race_vec + (m_vec - m_run) * k,
-                     float("-inf"))
-    best = tl.max(score, 0)
-    chunk = tl.min(tl.where(score == best, chunk_vec, 2147483647), 0)
-    return best, tl.where((best > float("-inf")) & (chunk != 2147483647), chunk, -1)
+        m_vec, s_vec, am_vec = _stream_tile(
+            raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
+            excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
+            thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE)
+    return _combine_tile_rows(m_vec, s_vec, am_vec, k)
 
 
 @triton.jit
@@ -528,23 +418,6 @@ def _race_winner(table_m_ptr, table_w_ptr, num_chunks, row_max, k, seed, offset,
     best = tl.max(score, 0)
     winner = tl.min(tl.where(score == best, c, 2147483647), 0)
     return tl.where(best > float("-inf"), winner, -1)
-
-
-@triton.jit
-def _split_race_winner(split_m, split_race, split_chunk, rr, t_star, row_max, k):
-    """``_race_winner`` of row t_star from its splits' races (SAMPLED): each split's best score,
-    relative to its max, made relative to the row max as ``_race_winner``'s scores are; the
-    winning chunk, the lowest on ties (-1 if every chunk of the row is empty). Inputs are
-    [ROWS, SPLITS] records."""
-    sel = rr == t_star
-    m_s = tl.max(tl.where(sel, split_m, float("-inf")), 0)
-    race_s = tl.max(tl.where(sel, split_race, float("-inf")), 0)
-    chunk_s = tl.max(tl.where(sel, split_chunk, -1), 0)
-    score = tl.where((m_s > float("-inf")) & (race_s > float("-inf")) & (chunk_s >= 0), race_s + (m_s - row_max) * k,
-                     float("-inf"))
-    best = tl.max(score, 0)
-    chunk = tl.min(tl.where(score == best, chunk_s, 2147483647), 0)
-    return tl.where((best > float("-inf")) & (chunk != 2147483647), chunk, -1)
 
 
 @triton.jit
@@ -722,7 +595,7 @@ def _rejection_sample_kernel(
     temperature_ptr, seeds_ptr, offsets_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr,
-    rec_race_ptr, rec_chunk_ptr, counter_ptr,
+    counter_ptr,
     thr_ptr, cmax_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
     num_requests, num_rows, vocab_size, max_spec_len,
     num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
@@ -734,7 +607,6 @@ def _rejection_sample_kernel(
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
     HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    SAMPLED: tl.constexpr = False, NOISE_BLOCK: tl.constexpr = 128,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -816,10 +688,10 @@ def _rejection_sample_kernel(
         table_m_row = table_m_ptr + slot * num_chunks
         table_w_row = table_w_ptr + slot * num_chunks
         if UNIFORM:
-            m_run, s_run, am_run, race_run, chunk_run = _stream_split(
+            m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
-                first_raw_hi, HALVES, ASM_TABLE, PREFETCH, seed, offset, t, STREAM_SAMPLE, SAMPLED, NOISE_BLOCK)
+                first_raw_hi, HALVES, ASM_TABLE, PREFETCH)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
             draft_lx, draft_px = guess_lx, guess_px
         else:
@@ -828,8 +700,6 @@ def _rejection_sample_kernel(
             m_run = tl.full([], NEG_INF, tl.float32)
             s_run = tl.zeros([], tl.float32)
             am_run = tl.full([], -1, tl.int32)
-            race_run = tl.full([], NEG_INF, tl.float32)
-            chunk_run = tl.full([], -1, tl.int32)
             miss = tl.full([], True, tl.int1)
         if miss:
             # Ragged batches, and the guess's misses (malformed offsets only).
@@ -858,19 +728,15 @@ def _rejection_sample_kernel(
                     # Its statistics are the pass's, its chunk table too (``_row_table``).
                     m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, slot, s_idx)
                 else:
-                    m_run, s_run, am_run, race_run, chunk_run = _stream_split(
+                    m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, seed, offset, t, STREAM_SAMPLE,
-                        SAMPLED, NOISE_BLOCK)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
             tl.store(rec_am_ptr + rec, am_run)
-            if SAMPLED:
-                tl.store(rec_race_ptr + rec, race_run)
-                tl.store(rec_chunk_ptr + rec, chunk_run)
             if (s_idx == 0) & (t < n):
                 tl.store(rec_lx_ptr + slot, draft_lx)
                 if HAS_DRAFT_PROBS:
@@ -880,17 +746,6 @@ def _rejection_sample_kernel(
             if not HAS_DRAFT_PROBS:
                 if done == (n + 1) * num_splits:
                     tl.debug_barrier()
-                    if SAMPLED:
-                        # Every row's split races, loaded with the records the decision reads.
-                        rr = tl.arange(0, ROWS_PAD)[:, None]
-                        ss = tl.arange(0, SPLITS_PAD)[None, :]
-                        rec_rs = (b * (max_spec_len + 1) + rr) * num_splits + ss
-                        rec_rs_mask = (rr <= n) & (ss < num_splits)
-                        split_m = tl.load(rec_m_ptr + rec_rs, mask=rec_rs_mask, other=NEG_INF, cache_modifier=".cg")
-                        split_race = tl.load(rec_race_ptr + rec_rs, mask=rec_rs_mask, other=NEG_INF,
-                                             cache_modifier=".cg")
-                        split_chunk = tl.load(rec_chunk_ptr + rec_rs, mask=rec_rs_mask, other=-1,
-                                              cache_modifier=".cg")
                     t_star, drafts, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr = _request_decision(
                         b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr,
                         rec_px_ptr, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
@@ -910,16 +765,12 @@ def _rejection_sample_kernel(
                         row_ok = (row >= 0) & (row < num_rows)
                         row_ptr = logits_ptr + row * logits_row_stride
                         x_star = tl.where(t_star < n, _pick(drafts, rows, t_star), -1)
-                        if SAMPLED:
-                            chunk = _split_race_winner(split_m, split_race, split_chunk, rr, t_star,
-                                                       _pick(row_max, rows, t_star), k)
-                        else:
-                            slot_star = b * (max_spec_len + 1) + t_star
-                            table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, slot_star, cmax_ptr,
-                                                                  kept_w_ptr, kept_z_ptr, slot_star, num_chunks,
-                                                                  HAS_FILTERS)
-                            chunk = _race_winner(table_m_row, table_w_row, num_chunks, _pick(row_max, rows, t_star),
-                                                 k, seed, offset, t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
+                        slot_star = b * (max_spec_len + 1) + t_star
+                        table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, slot_star, cmax_ptr,
+                                                              kept_w_ptr, kept_z_ptr, slot_star, num_chunks,
+                                                              HAS_FILTERS)
+                        chunk = _race_winner(table_m_row, table_w_row, num_chunks, _pick(row_max, rows, t_star), k,
+                                             seed, offset, t_star, True, CHUNKS_PAD, STREAM_SAMPLE)
                         token = _sample_in_chunk(row_ptr, draft_probs_ptr, chunk, vocab_size, row_ok, k,
                                                  x_star, 0.0, 1.0, seed, offset, t_star, False, CHUNK,
                                                  STREAM_SAMPLE, 1.0, _pick(thr, rows, t_star), HAS_FILTERS)
@@ -1170,12 +1021,9 @@ def rejection_sample_triton(
     n_residual = B * residual_rows * num_chunks
     n_records = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
     n_f32 = n_records + 2 * slots
-    # Stream races (SAMPLED): each phase-1 unit's race score (f32) and chunk (i32).
-    sampled = SAMPLE_IN_STREAM and not has_draft_probs and not has_filters
-    n_race = units_phase1 if sampled else 0
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
     flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks) if has_filters else (0, 0)
-    f32, i32, counters = _workspace(device, n_f32 + n_race + flt_f32, units_phase1 + n_race + flt_i32, 2 * B + 2)
+    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
     filt = (f32,) * 5  # unused without filters
     if has_filters:
         filt = launch_row_thresholds(
@@ -1192,9 +1040,6 @@ def rejection_sample_triton(
     residual_sum = f32[2 * units_phase1 + 2 * n_table + n_residual:n_records]
     rec_lx = f32[n_records:n_records + slots]
     rec_px = f32[n_records + slots:n_f32]
-    # (after the threshold pass's part: never both in one call, but no overlap either way)
-    rec_race = f32[n_f32 + flt_f32:n_f32 + flt_f32 + n_race] if sampled else f32
-    rec_chunk = i32[units_phase1 + flt_i32:units_phase1 + flt_i32 + n_race] if sampled else i32
     _rejection_sample_kernel[(units_total,)](
         target_logits, target_logits.stride(0),
         draft_token_ids, draft_token_ids.shape[0],
@@ -1205,7 +1050,7 @@ def rejection_sample_triton(
         seeds,
         offsets if offsets is not None else seeds,
         out_tokens, num_accepted,
-        rec_m, rec_s, i32, rec_lx, rec_px, table_m, table_w, table_r, residual_sum, rec_race, rec_chunk, counters,
+        rec_m, rec_s, i32, rec_lx, rec_px, table_m, table_w, table_r, residual_sum, counters,
         *filt,
         B, R, V, L,
         num_splits, groups_per_split, residual_splits, residual_groups_per_split, residual_rows, num_groups,
@@ -1230,8 +1075,6 @@ def rejection_sample_triton(
         HALVES=HALVES,
         ASM_TABLE=asm_table_enabled(device),
         PREFETCH=prefetch_tiles(device, target_logits.dtype),
-        SAMPLED=sampled,
-        NOISE_BLOCK=32 * NUM_WARPS,  # one chunk's noise per thread and pass
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": MAXNREG} if MAXNREG > 0 and not has_filters else {}),
