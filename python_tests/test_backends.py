@@ -232,6 +232,67 @@ def test_uniform_shape_with_malformed_offsets_matches_reference(backend, device,
         assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu()), seed
 
 
+@pytest.mark.parametrize("backend,device", FUSED_ON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_hostile_logits_match_reference(backend, device, dtype, uniform):
+    """Rows the Triton stream's FMA form cannot take (NaN, +inf, logits whose max times k
+    overflows either way, a chunk of only NaN and -inf): its splits are streamed again in the
+    exact form (``_stream_split``), and every token equals the reference's. Three seeds, so a
+    token that matched by chance does not hide a wrong row."""
+    batch, k, vocab = 7, 2, 1000  # four sampling chunks a row
+    for seed in range(3):
+        args = list(random_batch(batch, k, vocab, dtype=torch.float32, draft_probs=False, uniform=uniform,
+                                 seed=40 + seed))
+        logits, cu = args[0], args[2]
+        g = torch.Generator().manual_seed(seed)
+        rows = [int(cu[b]) + b + t for b in range(batch) for t in range(int(cu[b + 1] - cu[b]) + 1)]
+        owner = [b for b in range(batch) for _ in range(int(cu[b + 1] - cu[b]) + 1)]
+        for row, b in zip(rows, owner):
+            if b == 1:
+                logits[row, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+            elif b == 2:
+                logits[row, torch.randint(0, vocab, (2,), generator=g)] = float("inf")
+            elif b == 3:  # max * k overflows: 3e38 k = inf at k >= 1.2
+                logits[row] = 2.0e38 + 1.0e38 * torch.rand(vocab, generator=g)
+            elif b == 4:
+                logits[row, 256:512] = float("nan")
+                logits[row, 512:768] = float("-inf")
+                logits[row, 300:400:7] = float("-inf")
+            elif b == 5:  # max * k = -inf: every logit -3e38 (a uniform q)
+                logits[row] = -3.0e38
+            elif b == 6:
+                logits[row, 10] = float("nan")
+                logits[row, 700] = float("inf")
+        args[0] = logits.to(dtype)
+        args[4] = torch.tensor([1.0, 0.7, 1.0, 1.0, 0.5, 1.0, 0.0])
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
+        out, num = specdec_kernels.rejection_sample(*args, backend=backend)
+        assert torch.equal(out.cpu(), ref_out.cpu()) and torch.equal(num.cpu(), ref_num.cpu()), (seed, out, ref_out)
+
+
+@pytest.mark.parametrize("backend,device", FUSED_ON_DEVICES)
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_large_max_times_k_matches_reference(backend, device, draft_probs):
+    """Logits near 10^4 at T = 1e-3 (m k ~ 1.4e7, where float32 has steps of 1): on a GPU the
+    Triton stream's exponent fma(l, k, -mk) is off by mk's rounding (up to 2^0.5, a different
+    factor in every chunk) until each chunk's sum is scaled back by that residual; the weights
+    spread over three chunks, so chunk races and accept tests would see such an error. Every
+    token equals the reference's. (The interpreter streams in the exact form: there this checks
+    only the control flow at large m k.)"""
+    batch, k, vocab = 96, 2, 768
+    g = torch.Generator().manual_seed(11)
+    args = list(random_batch(batch, k, vocab, draft_probs=draft_probs, uniform=True, seed=12))
+    args[0] = 1.0e4 + 0.002 * torch.randn(args[0].shape, generator=g)  # (l - m) k spans ~-15..0
+    args[4] = torch.full((batch,), 1e-3)
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
+    out, num = specdec_kernels.rejection_sample(*args, backend=backend)
+    same = (out.cpu() == ref_out.cpu()).all(1) & (num.cpu() == ref_num.cpu())
+    assert bool(same.all()), f"{int((~same).sum())} of {batch} requests differ"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", gpu_backends() if HAS_CUDA else [])

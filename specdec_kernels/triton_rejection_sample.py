@@ -66,6 +66,11 @@ MAXNREG = int(os.environ.get("SPECDEC_TRITON_MAXNREG", "96"))
 # prefetch, one request per program, no registers held), so the register load one tile ahead hits L2
 # (docs/PERF.md, "Triton: an L2 prefetch"). 0 = off; CUDA only (the interpreter runs no PTX).
 PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
+# Unfiltered streams take the exponent as one FMA without the per-logit sanitize and check the
+# split afterwards (``_stream_split``); 0 = the exact form throughout (A/B timings).
+FAST_EXP = os.environ.get("SPECDEC_TRITON_FAST_EXP", "1") != "0"
+# Triton's interpreter (CPU tests): its fma is a float32 multiply and add, rounded twice.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -144,31 +149,57 @@ def _prefetch_l2(ptr, nbytes, flag):
 def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec, s_vec, am_vec,
                  table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                  thr=float("-inf"), FILTERED: tl.constexpr = False, raw_hi=None, HALVES: tl.constexpr = False,
-                 ASM_TABLE: tl.constexpr = False):
+                 ASM_TABLE: tl.constexpr = False, FAST: tl.constexpr = False):
     """Fold one [GROUP, CHUNK] tile of a row into the per-tile-row running max / sum / argmax,
     and write the tile's chunk table (random requests). FILTERED: logits below the row's
     threshold ``thr`` count as -inf (sampling filters). HALVES: the tile comes as two
     [GROUP, CHUNK / 2] tensors, ``raw`` the chunks' first halves (offsets ``tile_lane``) and
     ``raw_hi`` their second halves; they are combined element-wise before each reduction, so a
-    chunk's reductions span half the lanes (bf16) or one warp instead of two (fp32)."""
+    chunk's reductions span half the lanes (bf16) or one warp instead of two (fp32).
+    FAST: no sanitize, and the exponent as one FMA, exp2(fma(l, k, -mk)) with mk = m k rounded;
+    the chunk's sum is then scaled by exp2(m k - mk), the rounding residual that an FMA gives
+    exactly, so the chunk's weights are the exact form's exp2((l - m) k) (the rounding of mk,
+    up to half a step of m k, would otherwise scale each chunk by its own factor: 4% at m k ~
+    1.4e6). Valid wherever m k is finite and no logit is NaN; the caller checks that after the
+    split and streams it again without FAST where it is not (``_stream_split``)."""
     HALF: tl.constexpr = CHUNK // 2
-    lg = _sanitize(raw.to(tl.float32))
+    if FAST:
+        lg = raw.to(tl.float32)
+    else:
+        lg = _sanitize(raw.to(tl.float32))
     if FILTERED:
         lg = tl.where(lg >= thr, lg, float("-inf"))
     if HALVES:
-        lg_hi = _sanitize(raw_hi.to(tl.float32))
+        if FAST:
+            lg_hi = raw_hi.to(tl.float32)
+        else:
+            lg_hi = _sanitize(raw_hi.to(tl.float32))
         if FILTERED:
             lg_hi = tl.where(lg_hi >= thr, lg_hi, float("-inf"))
         m_c = tl.max(tl.maximum(lg, lg_hi), 1)
     else:
         m_c = tl.max(lg, 1)
     m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
-    w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
+    # The interpreter's fma is a float32 multiply and add, rounded twice: it takes the exact form.
+    FMA: tl.constexpr = FAST and not INTERPRETED
+    if FMA:
+        # One FMA a logit; -inf logits still give 0. mk's rounding residual, exact by FMA, scales
+        # the chunk's sum back (below).
+        mk = m_safe * k
+        w = tl.exp2(tl.fma(lg, k, -mk[:, None]))
+        if HALVES:
+            w_hi = tl.exp2(tl.fma(lg_hi, k, -mk[:, None]))
+        scale = tl.exp2(tl.fma(m_safe, k, -mk))
+    else:
+        w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
+        if HALVES:
+            w_hi = tl.exp2((lg_hi - m_safe[:, None]) * k)
     if HALVES:
-        w_hi = tl.exp2((lg_hi - m_safe[:, None]) * k)
         s_c = tl.sum(w + w_hi, 1)
     else:
         s_c = tl.sum(w, 1)
+    if FMA:
+        s_c = s_c * scale
     if greedy:
         if HALVES:
             # The lowest index of the max: a first half's beats its second half's.
@@ -187,6 +218,14 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
                 w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w) + tl.where(tile_lane + HALF == rel, 0.0, w_hi), 1)
             else:
                 w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
+        if FAST:
+            # (w_chunk is s_c, already scaled, or the excluded-draft total, not yet.) A chunk of
+            # NaN and -inf only: its max is -inf (the max drops NaN), its sum NaN; the exact
+            # total is 0 (the split's sum drops the chunk's below).
+            if FMA:
+                if (rel >= 0) & (rel < GROUP * CHUNK):
+                    w_chunk = w_chunk * scale
+            w_chunk = tl.where(m_c > float("-inf"), w_chunk, 0.0)
         _store_table(table_m_row + chunks, m_c, chunks < num_chunks, ASM_TABLE)
         _store_table(table_w_row + chunks, w_chunk, chunks < num_chunks, ASM_TABLE)
     m_new = tl.maximum(m_vec, m_c)
@@ -200,11 +239,11 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
                        table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                        first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
                        HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = 0):
+                       PREFETCH: tl.constexpr = 0, FAST: tl.constexpr = False):
     """Stream whole tiles g_lo .. g_hi - 1 of a row (no masks): the next tile is loaded before
     this one is reduced. HAS_FIRST: tile g_lo is ``first_raw`` (and ``first_raw_hi``), loaded by
     the caller. PREFETCH > 1: L2 is asked for the tile PREFETCH ahead (``_prefetch_l2``) where the
-    row is 16-byte aligned, so the load one tile ahead finds it there."""
+    row is 16-byte aligned, so the load one tile ahead finds it there. FAST: ``_stream_tile``'s."""
     HALF: tl.constexpr = CHUNK // 2
     if HAS_FIRST:
         raw_next = first_raw
@@ -231,7 +270,7 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
         m_vec, s_vec, am_vec = _stream_tile(
             raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec, s_vec,
             am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, float("-inf"), False, raw_hi, HALVES,
-            ASM_TABLE)
+            ASM_TABLE, FAST)
     return m_vec, s_vec, am_vec
 
 
@@ -278,12 +317,39 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
-                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                  HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                  FAST: tl.constexpr = False):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
     loaded with entries past the vocabulary as -inf, is ``first_raw`` (``first_raw_hi``).
-    HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``)."""
+    HALVES: ``lane`` spans half a chunk and tiles are loaded as two halves (``_stream_tile``).
+    FAST (unfiltered calls): streamed first with ``_stream_tile``'s FMA form, which gives the
+    exact form's values when every chunk max times k is finite and no logit is NaN; then the
+    split's max times k is below +inf and its sum finite. Where that fails (+inf or NaN logits,
+    logits beyond +-FLT_MAX / k) the split is streamed again in the exact form, which rewrites its
+    chunk table."""
+    m_vec, s_vec, am_vec = _stream_split_tiles(
+        row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy, excluded,
+        table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HAS_FILTERS, first_raw, HAS_FIRST, first_raw_hi,
+        HALVES, ASM_TABLE, PREFETCH, FAST)
+    m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
+    if FAST:
+        if not ((m_run * k < float("inf")) & (s_run < float("inf"))):  # also catches a NaN sum
+            m_vec, s_vec, am_vec = _stream_split_tiles(
+                row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy, excluded,
+                table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HAS_FILTERS, None, False, None,
+                HALVES, ASM_TABLE, PREFETCH, False)
+            m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
+    return m_run, s_run, am_run
+
+
+@triton.jit
+def _stream_split_tiles(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
+                        excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                        HAS_FILTERS: tl.constexpr, first_raw, HAS_FIRST: tl.constexpr, first_raw_hi,
+                        HALVES: tl.constexpr, ASM_TABLE: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr):
+    """``_stream_split``'s stream: the per-tile-row running max / sum / argmax of its tiles."""
     NEG_INF: tl.constexpr = float("-inf")
     HALF: tl.constexpr = CHUNK // 2
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
@@ -306,7 +372,7 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
             m_vec, s_vec, am_vec = _stream_full_tiles(
                 row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
                 am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, HAS_FIRST, first_raw_hi,
-                HALVES, ASM_TABLE, PREFETCH)
+                HALVES, ASM_TABLE, PREFETCH, FAST)
     tail = tl.maximum(g_lo, full_groups)
     if row_ok & (tail < g_hi):
         # The last, partial tile of the vocabulary.
@@ -332,8 +398,8 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
         m_vec, s_vec, am_vec = _stream_tile(
             raw, tail * (GROUP * CHUNK), tail * GROUP + chunk_in_group, tile_lane, k, greedy,
             excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-            thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE)
-    return _combine_tile_rows(m_vec, s_vec, am_vec, k)
+            thr, HAS_FILTERS, raw_hi, HALVES, ASM_TABLE, FAST)
+    return m_vec, s_vec, am_vec
 
 
 @triton.jit
@@ -607,6 +673,7 @@ def _rejection_sample_kernel(
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
     HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    FAST_EXP: tl.constexpr = False,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -691,7 +758,7 @@ def _rejection_sample_kernel(
             m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
-                first_raw_hi, HALVES, ASM_TABLE, PREFETCH)
+                first_raw_hi, HALVES, ASM_TABLE, PREFETCH, FAST_EXP)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
             draft_lx, draft_px = guess_lx, guess_px
         else:
@@ -731,7 +798,7 @@ def _rejection_sample_kernel(
                     m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, FAST_EXP and not HAS_FILTERS)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
@@ -1075,6 +1142,7 @@ def rejection_sample_triton(
         HALVES=HALVES,
         ASM_TABLE=asm_table_enabled(device),
         PREFETCH=prefetch_tiles(device, target_logits.dtype),
+        FAST_EXP=FAST_EXP and not has_filters,
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": MAXNREG} if MAXNREG > 0 and not has_filters else {}),
