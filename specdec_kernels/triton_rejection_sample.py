@@ -156,9 +156,9 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
     [GROUP, CHUNK / 2] tensors, ``raw`` the chunks' first halves (offsets ``tile_lane``) and
     ``raw_hi`` their second halves; they are combined element-wise before each reduction, so a
     chunk's reductions span half the lanes (bf16) or one warp instead of two (fp32).
-    FAST: no sanitize, and the exponent as one FMA, exp2(fma(l, k, -mk)) with mk = m k rounded;
-    the chunk's sum is then scaled by exp2(m k - mk), the rounding residual that an FMA gives
-    exactly, so the chunk's weights are the exact form's exp2((l - m) k) (the rounding of mk,
+    FAST: no sanitize, and the exponent as one FMA, exp2(fma(l, k, -mk)) with mk = m k rounded:
+    each weight is exp2((l - m) k) times 2^(m k - mk), so the chunk's sum is scaled by
+    2^-(m k - mk), the rounding residual that an FMA gives exactly, to the exact form's (the rounding of mk,
     up to half a step of m k, would otherwise scale each chunk by its own factor: 4% at m k ~
     1.4e6). Valid wherever m k is finite and no logit is NaN; the caller checks that after the
     split and streams it again without FAST where it is not (``_stream_split``)."""
@@ -189,7 +189,7 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
         w = tl.exp2(tl.fma(lg, k, -mk[:, None]))
         if HALVES:
             w_hi = tl.exp2(tl.fma(lg_hi, k, -mk[:, None]))
-        scale = tl.exp2(tl.fma(m_safe, k, -mk))
+        scale = tl.exp2(-tl.fma(m_safe, k, -mk))  # 2^-(m k - mk): the weights hold 2^(m k - mk)
     else:
         w = tl.exp2((lg - m_safe[:, None]) * k)  # exp2(-inf) = 0: masked lanes need no select
         if HALVES:
