@@ -158,10 +158,10 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
     chunk's reductions span half the lanes (bf16) or one warp instead of two (fp32).
     FAST: no sanitize, and the exponent as one FMA, exp2(fma(l, k, -mk)) with mk = m k rounded:
     each weight is exp2((l - m) k) times 2^(m k - mk), so the chunk's sum is scaled by
-    2^-(m k - mk), the rounding residual that an FMA gives exactly, to the exact form's (the rounding of mk,
-    up to half a step of m k, would otherwise scale each chunk by its own factor: 4% at m k ~
-    1.4e6). Valid wherever m k is finite and no logit is NaN; the caller checks that after the
-    split and streams it again without FAST where it is not (``_stream_split``)."""
+    2^-(m k - mk), a rounding residual that an FMA gives exactly, back to the exact form's
+    (unscaled, each chunk would carry its own factor: up to 4% at m k ~ 1.4e6). Valid wherever
+    m k is finite and no logit is NaN; the caller checks that after the split and streams it
+    again without FAST where it is not (``_stream_split``)."""
     HALF: tl.constexpr = CHUNK // 2
     if FAST:
         lg = raw.to(tl.float32)
@@ -673,7 +673,7 @@ def _rejection_sample_kernel(
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
     HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    FAST_EXP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,  # unfiltered calls only (the launcher's rule)
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -798,7 +798,7 @@ def _rejection_sample_kernel(
                     m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, FAST_EXP and not HAS_FILTERS)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, FAST_EXP)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
