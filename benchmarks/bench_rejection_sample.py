@@ -147,7 +147,10 @@ def versions() -> dict:
 
 def configs(sweep: str):
     if sweep == "core":
-        for batch, (dtype, probs) in itertools.product([1, 8, 32, 64, 128], [("bf16", False), ("fp32", True)]):
+        # bf16 logits with and without draft probabilities (issue #2's table), fp32 + fp32 draft
+        # (FlashInfer's inputs).
+        pairs = [("bf16", False), ("bf16", True), ("fp32", True)]
+        for batch, (dtype, probs) in itertools.product([1, 8, 32, 64, 128], pairs):
             yield batch, 4, 128256, dtype, probs
     else:
         for batch, k, vocab, dtype, probs in itertools.product(
