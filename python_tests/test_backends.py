@@ -246,9 +246,8 @@ def test_hostile_logits_match_reference(backend, device, dtype, uniform):
                                  seed=40 + seed))
         logits, cu = args[0], args[2]
         g = torch.Generator().manual_seed(seed)
-        rows = [int(cu[b]) + b + t for b in range(batch) for t in range(int(cu[b + 1] - cu[b]) + 1)]
-        owner = [b for b in range(batch) for _ in range(int(cu[b + 1] - cu[b]) + 1)]
-        for row, b in zip(rows, owner):
+        rows = [(b, int(cu[b]) + b + t) for b in range(batch) for t in range(int(cu[b + 1] - cu[b]) + 1)]
+        for b, row in rows:
             if b == 1:
                 logits[row, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
             elif b == 2:

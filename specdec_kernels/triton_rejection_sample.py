@@ -112,6 +112,15 @@ def _sanitize(logits):
 
 
 @triton.jit
+def _logits_f32(raw, SANITIZE: tl.constexpr):
+    """Loaded logits as float32, sanitized (``_sanitize``) where SANITIZE."""
+    lg = raw.to(tl.float32)
+    if SANITIZE:
+        lg = _sanitize(lg)
+    return lg
+
+
+@triton.jit
 def _token_in_vocab(x, vocab_size):
     """A draft id as the stream's exclusion uses it: x if it is in [0, V), else -1 (int32).
     Compared in int64, so an int64 id outside the int32 range cannot alias a valid token."""
@@ -163,17 +172,11 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
     m k is finite and no logit is NaN; the caller checks that after the split and streams it
     again without FAST where it is not (``_stream_split``)."""
     HALF: tl.constexpr = CHUNK // 2
-    if FAST:
-        lg = raw.to(tl.float32)
-    else:
-        lg = _sanitize(raw.to(tl.float32))
+    lg = _logits_f32(raw, not FAST)
     if FILTERED:
         lg = tl.where(lg >= thr, lg, float("-inf"))
     if HALVES:
-        if FAST:
-            lg_hi = raw_hi.to(tl.float32)
-        else:
-            lg_hi = _sanitize(raw_hi.to(tl.float32))
+        lg_hi = _logits_f32(raw_hi, not FAST)
         if FILTERED:
             lg_hi = tl.where(lg_hi >= thr, lg_hi, float("-inf"))
         m_c = tl.max(tl.maximum(lg, lg_hi), 1)
@@ -218,13 +221,11 @@ def _stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec,
                 w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w) + tl.where(tile_lane + HALF == rel, 0.0, w_hi), 1)
             else:
                 w_chunk = tl.sum(tl.where(tile_lane == rel, 0.0, w), 1)
-        if FAST:
-            # (w_chunk is s_c, already scaled, or the excluded-draft total, not yet.) A chunk of
-            # NaN and -inf only: its max is -inf (the max drops NaN), its sum NaN; the exact
-            # total is 0 (the split's sum drops the chunk's below).
             if FMA:
-                if (rel >= 0) & (rel < GROUP * CHUNK):
-                    w_chunk = w_chunk * scale
+                w_chunk = w_chunk * scale  # as s_c above
+        if FAST:
+            # A chunk of NaN and -inf only: its max is -inf (the max drops NaN), its sum NaN; the
+            # exact total is 0 (the split's sum drops the chunk's below).
             w_chunk = tl.where(m_c > float("-inf"), w_chunk, 0.0)
         _store_table(table_m_row + chunks, m_c, chunks < num_chunks, ASM_TABLE)
         _store_table(table_w_row + chunks, w_chunk, chunks < num_chunks, ASM_TABLE)
