@@ -28,14 +28,17 @@ def test_triton_kernel_compiles_for_sm90(kernel, shard):
     assert f"compiled {kernel}" in done.stdout
 
 
-def test_chain_kernel_streams_with_16_byte_loads():
-    """The chain kernel compiled as the launcher's call is at V = 128256 (scripts/triton_sass.py):
-    its streaming loops load logits 16 bytes a thread (the floor needs vector loads; a change that
-    lost the tile's alignment would fall back to 2-byte loads and still pass every other test)."""
+@pytest.mark.parametrize("kernel_args,min_loops", [([], 3), (["--tree", "64"], 1)], ids=["chain", "tree"])
+def test_kernel_streams_with_16_byte_loads(kernel_args, min_loops):
+    """The chain (and the tree) kernel compiled as the launcher's call is at V = 128256
+    (scripts/triton_sass.py): its streaming loops load logits 16 bytes a thread (the floor needs
+    vector loads; a change that lost the tile's alignment would fall back to 2-byte loads and
+    still pass every other test)."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "triton_sass.py")
-    done = subprocess.run([sys.executable, script], env=COMPILE_ENV, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, script, *kernel_args], env=COMPILE_ENV, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     loops = [line for line in done.stdout.splitlines() if line.startswith("loop [")]
-    assert len(loops) >= 3, done.stdout
+    assert len(loops) >= min_loops, done.stdout
     # Every streaming loop issues at least two 16-byte loads a thread per iteration (a bf16 tile: two).
     assert all(int(re.search(r"(\d+) LDG\.E\.128", line).group(1)) >= 2 for line in loops), done.stdout

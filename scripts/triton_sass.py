@@ -1,6 +1,6 @@
-"""SASS of the Triton chain kernel's streaming loops, without a GPU: instruction counts.
+"""SASS of the Triton chain (or tree) kernel's streaming loops, without a GPU: instruction counts.
 
-Compiles ``_rejection_sample_kernel`` for sm_90 exactly as the launcher's JIT call would on a
+Compiles ``_rejection_sample_kernel`` (``--tree``: ``_tree_rejection_sample_kernel``) for sm_90 exactly as the launcher's JIT call would on a
 GPU: the launcher runs on CPU tensors shaped like the benchmark's call with the launch captured,
 and Triton's own binder specializes the captured arguments (integers equal to 1 become
 constants; integers divisible by 16 and 16-byte aligned pointers are marked, so loads vectorize
@@ -9,7 +9,7 @@ with its nvdisasm, then prints the registers and, for each loop that streams log
 16-byte global load), its length and its most frequent instructions.
 
     python scripts/triton_sass.py [--batch 32] [--logits fp32] [--draft-probs] [--sms 132]
-        [--warps 4] [--set NAME=VALUE ...] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
+        [--warps 4] [--set NAME=VALUE ...] [--tree NODES] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
 
 The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
 draft's chunk), so the path a random request takes is shorter (docs/PERF.md, section "The
@@ -74,17 +74,49 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
     return captured["args"], captured["kwargs"]
 
 
-def compile_chain_kernel(args, kwargs, overrides: dict):
-    """``_rejection_sample_kernel`` compiled for sm_90 from the JIT's own specialization of this
-    call: integer arguments equal to 1 become constants, those divisible by 16 (and 16-byte
-    aligned pointers) are marked so, as on a GPU."""
+def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_probs: bool, sms: int):
+    """``launcher_call`` for the tree kernel: ``batch`` binary trees of ``nodes`` nodes each."""
+    import torch
+    from specdec_kernels import triton_rejection_sample as chain
+    from specdec_kernels import triton_tree_rejection_sample as module
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[logits]
+    captured = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: captured.update(args=args, kwargs=kwargs)
+
+    saved = module._tree_rejection_sample_kernel, chain._target_programs
+    module._tree_rejection_sample_kernel = Capture()
+    # The tree launcher splits rows with the chain module's _row_split.
+    chain._target_programs = lambda device, programs_per_sm=chain.PROGRAMS_PER_SM: programs_per_sm * sms
+    n = batch * nodes
+    local = torch.arange(nodes)
+    parents = torch.where(local == 0, -1, (local - 1) // 2).repeat(batch)
+    try:
+        module.tree_rejection_sample_triton(
+            torch.zeros(n, vocab, dtype=dtype), torch.zeros(n, dtype=torch.int64), parents,
+            torch.arange(0, n + 1, nodes, dtype=torch.int32), torch.zeros(n, vocab) if draft_probs else None,
+            torch.ones(batch), torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
+            max(1, nodes.bit_length() - 1))
+    finally:
+        module._tree_rejection_sample_kernel, chain._target_programs = saved
+    return captured["args"], captured["kwargs"]
+
+
+def compile_kernel(args, kwargs, overrides: dict, tree: bool = False):
+    """``_rejection_sample_kernel`` (with ``tree``: ``_tree_rejection_sample_kernel``) compiled for
+    sm_90 from the JIT's own specialization of this call: integer arguments equal to 1 become
+    constants, those divisible by 16 (and 16-byte aligned pointers) are marked so, as on a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
     from specdec_kernels import triton_rejection_sample as module
+    from specdec_kernels import triton_tree_rejection_sample as tree_module
 
-    fn = module._rejection_sample_kernel
+    fn = tree_module._tree_rejection_sample_kernel if tree else module._rejection_sample_kernel
     kwargs = {**kwargs, **overrides}
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -137,25 +169,33 @@ def main() -> int:
     parser.add_argument("--draft-probs", action="store_true", help="with fp32 draft probabilities")
     parser.add_argument("--sms", type=int, default=132, help="the GPU's SMs (the launcher's split), default 132")
     parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's)")
+    parser.add_argument("--tree", type=int, default=0, metavar="NODES",
+                        help="the tree kernel instead: --batch binary trees of NODES nodes each")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a constexpr of the kernel, e.g. GROUP=16")
     parser.add_argument("--out", default=None, help="folder for the .ttgir / .ptx / .sass")
     args = parser.parse_args()
     import triton
-    call_args, call_kwargs = launcher_call(args.batch, 4, args.vocab, args.logits, args.draft_probs, args.sms)
+    if args.tree:
+        call_args, call_kwargs = tree_launcher_call(args.batch, args.tree, args.vocab, args.logits, args.draft_probs,
+                                                    args.sms)
+    else:
+        call_args, call_kwargs = launcher_call(args.batch, 4, args.vocab, args.logits, args.draft_probs, args.sms)
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
     if args.warps:
         overrides["num_warps"] = args.warps
     warps = overrides.get("num_warps", call_kwargs["num_warps"])
-    compiled = compile_chain_kernel(call_args, call_kwargs, overrides)
+    compiled = compile_kernel(call_args, call_kwargs, overrides, tree=bool(args.tree))
     workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="triton_sass_"))
     workdir.mkdir(parents=True, exist_ok=True)
     sass, usage = disassemble(compiled["ptx"], workdir)
     (workdir / "kernel.ttgir").write_text(compiled["ttgir"])
     (workdir / "kernel.sass").write_text(sass)
     registers = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)  # bytes of local memory a thread: spills
     print(f"Triton {triton.__version__}, sm_90, {args.logits} logits, {warps} warps, {registers.group(1) if registers else '?'} registers, "
-          f"{sass.count(';')} instructions; constexprs {compiled['constexprs']}")
+          f"{stack.group(1) if stack else '?'} bytes of stack, {sass.count(';')} instructions; "
+          f"constexprs {compiled['constexprs']}")
     for line in compiled["ttgir"].splitlines():
         if line.startswith("#blocked"):
             print(" ", line.split("=", 1)[0].strip(), line.split("<", 1)[1].rstrip(">"))
