@@ -1,12 +1,13 @@
 """SASS of the Triton chain (or tree) kernel's streaming loops, without a GPU: instruction counts.
 
-Compiles ``_rejection_sample_kernel`` (``--tree``: ``_tree_rejection_sample_kernel``) for sm_90 exactly as the launcher's JIT call would on a
-GPU: the launcher runs on CPU tensors shaped like the benchmark's call with the launch captured,
-and Triton's own binder specializes the captured arguments (integers equal to 1 become
-constants; integers divisible by 16 and 16-byte aligned pointers are marked, so loads vectorize
-as they do at V = 128256). It assembles the kernel with Triton's bundled ptxas, disassembles it
-with its nvdisasm, then prints the registers and, for each loop that streams logits (contains a
-16-byte global load), its length and its most frequent instructions.
+Compiles ``_rejection_sample_kernel`` (``--tree``: ``_tree_rejection_sample_kernel``) for sm_90
+exactly as the launcher's JIT call would on a GPU: the launcher runs on CPU tensors shaped like
+the benchmark's call with the launch captured, and Triton's own binder specializes the captured
+arguments (integers equal to 1 become constants; integers divisible by 16 and 16-byte aligned
+pointers are marked, so loads vectorize as they do at V = 128256). It assembles the kernel with
+Triton's bundled ptxas, disassembles it with its nvdisasm, then prints the registers, the stack
+(spills) and, for each loop that streams logits (contains a 16-byte global load), its length and
+its most frequent instructions.
 
     python scripts/triton_sass.py [--batch 32] [--logits fp32] [--draft-probs] [--sms 132]
         [--warps 4] [--set NAME=VALUE ...] [--tree NODES] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
@@ -40,6 +41,19 @@ def _value(text: str):
     return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
 
 
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class _Capture:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self):
+        self.call = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.call.update(args=args, kwargs=kwargs)
+
+
 def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool, sms: int):
     """(args, kwargs) the launcher passes to ``_rejection_sample_kernel`` for the benchmark's call
     (bench_rejection_sample.make_inputs: a uniform batch, temperatures, seeds and offsets) on a GPU
@@ -48,16 +62,11 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
     import torch
     from specdec_kernels import triton_rejection_sample as module
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[logits]
-    captured = {}
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: captured.update(args=args, kwargs=kwargs)
-
+    dtype = getattr(torch, DTYPES[logits])
+    capture = _Capture()
     saved = (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
              module._sm90)
-    module._rejection_sample_kernel = Capture()
+    module._rejection_sample_kernel = capture
     module._target_programs = lambda device, programs_per_sm=module.PROGRAMS_PER_SM: programs_per_sm * sms
     module.pdl_enabled = lambda device: True
     module.asm_table_enabled = lambda device: module.ASM_TABLE
@@ -71,7 +80,7 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
     finally:
         (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
          module._sm90) = saved
-    return captured["args"], captured["kwargs"]
+    return capture.call["args"], capture.call["kwargs"]
 
 
 def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_probs: bool, sms: int):
@@ -80,15 +89,10 @@ def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_pr
     from specdec_kernels import triton_rejection_sample as chain
     from specdec_kernels import triton_tree_rejection_sample as module
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[logits]
-    captured = {}
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: captured.update(args=args, kwargs=kwargs)
-
+    dtype = getattr(torch, DTYPES[logits])
+    capture = _Capture()
     saved = module._tree_rejection_sample_kernel, chain._target_programs
-    module._tree_rejection_sample_kernel = Capture()
+    module._tree_rejection_sample_kernel = capture
     # The tree launcher splits rows with the chain module's _row_split.
     chain._target_programs = lambda device, programs_per_sm=chain.PROGRAMS_PER_SM: programs_per_sm * sms
     n = batch * nodes
@@ -102,7 +106,7 @@ def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_pr
             max(1, nodes.bit_length() - 1))
     finally:
         module._tree_rejection_sample_kernel, chain._target_programs = saved
-    return captured["args"], captured["kwargs"]
+    return capture.call["args"], capture.call["kwargs"]
 
 
 def compile_kernel(args, kwargs, overrides: dict, tree: bool = False):
