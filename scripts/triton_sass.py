@@ -35,13 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must give compilable functions
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks' dtypes and tree shapes
 
 
 def _value(text: str):
     return {"True": True, "False": False}.get(text, int(text) if text.lstrip("-").isdigit() else text)
-
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class _Capture:
@@ -60,9 +58,10 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
     of ``sms`` SMs with launch overlap: ``rejection_sample_triton`` runs on CPU tensors with the
     launch captured, not made."""
     import torch
+    from bench_rejection_sample import DTYPES
     from specdec_kernels import triton_rejection_sample as module
 
-    dtype = getattr(torch, DTYPES[logits])
+    dtype = DTYPES[logits]
     capture = _Capture()
     saved = (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
              module._sm90)
@@ -84,26 +83,30 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
 
 
 def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_probs: bool, sms: int):
-    """``launcher_call`` for the tree kernel: ``batch`` binary trees of ``nodes`` nodes each."""
+    """``launcher_call`` for the tree kernel: ``batch`` copies of the tree benchmark's shape of
+    ``nodes`` nodes (bench_tree_rejection_sample.TREES; 64 is the tree bar's)."""
     import torch
+    from bench_rejection_sample import DTYPES
+    from bench_tree_rejection_sample import TREES, tree_depth
     from specdec_kernels import triton_rejection_sample as chain
     from specdec_kernels import triton_tree_rejection_sample as module
 
-    dtype = getattr(torch, DTYPES[logits])
+    if nodes not in TREES:
+        raise SystemExit(f"--tree: the tree benchmark's shapes have {sorted(TREES)} nodes, not {nodes}")
+    dtype = DTYPES[logits]
     capture = _Capture()
     saved = module._tree_rejection_sample_kernel, chain._target_programs
     module._tree_rejection_sample_kernel = capture
     # The tree launcher splits rows with the chain module's _row_split.
     chain._target_programs = lambda device, programs_per_sm=chain.PROGRAMS_PER_SM: programs_per_sm * sms
     n = batch * nodes
-    local = torch.arange(nodes)
-    parents = torch.where(local == 0, -1, (local - 1) // 2).repeat(batch)
+    parents = torch.tensor(TREES[nodes], dtype=torch.int32).repeat(batch)
     try:
         module.tree_rejection_sample_triton(
             torch.zeros(n, vocab, dtype=dtype), torch.zeros(n, dtype=torch.int64), parents,
             torch.arange(0, n + 1, nodes, dtype=torch.int32), torch.zeros(n, vocab) if draft_probs else None,
             torch.ones(batch), torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
-            max(1, nodes.bit_length() - 1))
+            tree_depth(TREES[nodes]))
     finally:
         module._tree_rejection_sample_kernel, chain._target_programs = saved
     return capture.call["args"], capture.call["kwargs"]
@@ -174,7 +177,8 @@ def main() -> int:
     parser.add_argument("--sms", type=int, default=132, help="the GPU's SMs (the launcher's split), default 132")
     parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's)")
     parser.add_argument("--tree", type=int, default=0, metavar="NODES",
-                        help="the tree kernel instead: --batch binary trees of NODES nodes each")
+                        help="the tree kernel instead: --batch copies of the tree benchmark's shape of NODES "
+                             "nodes (8, 16 or 64)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a constexpr of the kernel, e.g. GROUP=16")
     parser.add_argument("--out", default=None, help="folder for the .ttgir / .ptx / .sass")
