@@ -100,46 +100,6 @@ def test_triton_interpreter_whole_chunk_tiles_match_reference(monkeypatch, draft
 
 @pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
                     reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_interpreter_lane_partials_match_reference(monkeypatch, dtype):
-    """Lane partials (``_stream_lane_tiles``: whole tiles of 16 chunks read a quarter pair at a
-    time, a chunk's lanes combined once per tile), which the launcher takes only from 128 rows
-    on, forced on small batches: V = 8193 has two whole tiles and a one-chunk tail. Besides random
-    batches (token and block, ragged and uniform, with draft probabilities through
-    SPECDEC_TRITON_LANE_PARTIALS=2): drafts the target gives half its mass, placed in each quarter
-    of a chunk, so that a chunk total that kept the draft token would win the race after a
-    rejection; and greedy rows of integer logits, whose many tied maxima need the first index."""
-    from specdec_kernels import triton_rejection_sample as trs
-    monkeypatch.setattr(trs, "LANE_PARTIALS_MIN_ROWS", 0)
-    monkeypatch.setattr(trs, "LANE_PARTIALS", 2)
-    vocab = 8193
-    cases = []
-    for uniform in (False, True):
-        for draft_probs in (False, True):
-            for method in ("token", "block"):
-                cases.append((random_batch(6, 4, vocab, dtype=dtype, draft_probs=draft_probs,
-                                           seed=71 + 2 * uniform + draft_probs, uniform=uniform), method))
-    g = torch.Generator().manual_seed(5)
-    batch = 32  # one draft each: row 2b is draft b's, row 2b + 1 its bonus
-    logits = torch.randn(2 * batch, vocab, generator=g)
-    drafts = (torch.arange(batch) % 16) * 256 + (torch.arange(batch) % 4) * 64 + torch.randint(0, 64, (batch,), generator=g)
-    logits[2 * torch.arange(batch), drafts] = 9.5  # q(x) ~ 1/2
-    cu = torch.arange(batch + 1, dtype=torch.int32)
-    seeds = torch.randint(0, 2**62, (batch,), generator=g)
-    dominant = (logits.to(dtype), drafts, cu, None, torch.ones(batch), seeds, None, 1)
-    cases.append((dominant, "token"))
-    ties = torch.randint(0, 4, (2 * batch, vocab), generator=g).float()
-    cases.append(((ties.to(dtype), drafts, cu, None, torch.zeros(batch), seeds, None, 1), "token"))
-    for args, method in cases:
-        assert trs.lane_partials(dtype, args[3] is not None, args[0].shape[0], False)
-        rate, _ = _agreement("triton", args, method=method)
-        assert rate == 1.0, method
-    ref_out, ref_num = specdec_kernels.rejection_sample(*dominant, backend="reference")
-    assert 0 < int((ref_num == 0).sum()) < batch  # the dominant case rejects some drafts, keeps others
-
-
-@pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
-                    reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 def test_triton_interpreter_splits_agree(num_splits):
     """Rows split over several programs combine to the same tokens (V = 3 sampling chunks)."""

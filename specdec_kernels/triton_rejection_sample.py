@@ -69,13 +69,6 @@ PREFETCH = int(os.environ.get("SPECDEC_TRITON_PREFETCH", "2"))
 # Unfiltered streams take the exponent as one FMA without the per-logit sanitize and check the
 # split afterwards (``_stream_split``); 0 = the exact form throughout (A/B timings).
 FAST_EXP = os.environ.get("SPECDEC_TRITON_FAST_EXP", "1") != "0"
-# Lane partials (``_stream_lane_tiles``): the FMA pass reads tiles of LANE_GROUP chunks a quarter
-# pair at a time and combines a chunk's lanes once per tile; for 16-bit logits without draft
-# probabilities from LANE_PARTIALS_MIN_ROWS rows on (``lane_partials``). 0 = off; 2 = also with draft
-# probabilities (A/B timings).
-LANE_PARTIALS = int(os.environ.get("SPECDEC_TRITON_LANE_PARTIALS", "1"))
-LANE_GROUP = 16
-LANE_PARTIALS_MIN_ROWS = int(os.environ.get("SPECDEC_TRITON_LANE_MIN_ROWS", "128"))
 # Triton's interpreter (CPU tests): its fma is a float32 multiply and add, rounded twice.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -283,139 +276,6 @@ def _stream_full_tiles(row_ptr, g_lo, g_hi, tile_lane, chunk_in_group, k, greedy
 
 
 @triton.jit
-def _lane_quarters(raw_lo, raw_hi, off_lo, k, ml, rl, sl, sle, aml, greedy, rel, FIRST: tl.constexpr,
-                   LANES: tl.constexpr, VEC: tl.constexpr, FMA: tl.constexpr):
-    """Fold two [GROUP, CHUNK / 4] tensors -- quarters 2p and 2p + 1 of each chunk of a tile --
-    into each lane's running values over its chunk: max ml (-inf before the first), the reference
-    rl its sum is taken against (ml k rounded with FMA, else ml), sum sl, sum sle without the
-    token at tile offset ``rel`` (-1: none), and the first argmax aml (greedy; offsets from the
-    tile's start, ``off_lo`` those of quarter 2p). A lane's VEC logits of a quarter lie in its own
-    registers, so nothing here crosses lanes. FIRST: the lane's first quarters (no carry)."""
-    G: tl.constexpr = raw_lo.shape[0]
-    lo = tl.reshape(raw_lo.to(tl.float32), [G, LANES, VEC])
-    hi = tl.reshape(raw_hi.to(tl.float32), [G, LANES, VEC])
-    mp = tl.max(tl.maximum(lo, hi), 2)
-    if FIRST:
-        mn = mp
-    else:
-        mn = tl.maximum(ml, mp)
-    m_safe = tl.where(mn > float("-inf"), mn, 0.0)
-    if FMA:
-        rn = m_safe * k
-        w_lo = tl.exp2(tl.fma(lo, k, -rn[:, :, None]))
-        w_hi = tl.exp2(tl.fma(hi, k, -rn[:, :, None]))
-        if not FIRST:
-            carry = tl.where(ml > float("-inf"), tl.exp2(rl - rn), 0.0)
-    else:
-        rn = m_safe
-        w_lo = tl.exp2((lo - m_safe[:, :, None]) * k)
-        w_hi = tl.exp2((hi - m_safe[:, :, None]) * k)
-        if not FIRST:
-            carry = tl.where(ml > float("-inf"), tl.exp2((rl - rn) * k), 0.0)
-    s_p = tl.sum(w_lo + w_hi, 2)
-    if greedy:
-        offs_lo = tl.reshape(off_lo, [G, LANES, VEC])
-        # The lowest index of the max: quarter 2p's beats quarter 2p + 1's.
-        idx = tl.min(tl.where(lo == mp[:, :, None], offs_lo,
-                              tl.where(hi == mp[:, :, None], offs_lo + LANES * VEC, 2147483647)), 2)
-        aml = tl.where(mp > ml, idx, aml)
-        sle_p = s_p
-    else:
-        sle_p = s_p
-        if rel >= 0:
-            offs_lo = tl.reshape(off_lo, [G, LANES, VEC])
-            sle_p = tl.sum(tl.where(offs_lo == rel, 0.0, w_lo) + tl.where(offs_lo + LANES * VEC == rel, 0.0, w_hi), 2)
-    if FIRST:
-        sl = s_p
-        sle = sle_p
-    else:
-        sl = sl * carry + s_p
-        sle = sle * carry + sle_p
-    return mn, rn, sl, sle, aml
-
-
-@triton.jit
-def _stream_lane_tiles(row_ptr, g_lo, g_hi, qlane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
-                       table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                       first_lo=None, first_hi=None, HAS_FIRST: tl.constexpr = False,
-                       ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
-    """``_stream_full_tiles`` with lane partials (16-bit logits, unfiltered, the FMA form): a tile's
-    chunks are loaded a quarter pair at a time as two [GROUP, CHUNK / 4] tensors, so a chunk spans
-    ``CHUNK / 32`` lanes (8 for 256) of VEC = 8 logits each; each lane folds its two iterations
-    into its own running max and sum (``_lane_quarters``), and the lanes of a chunk are combined
-    once per tile -- three shuffle rounds a reduction for 32 logits a lane, where the half-chunk
-    tile takes four for 16. The next iteration's quarters are loaded before this one's are
-    reduced. HAS_FIRST: tile g_lo's first quarter pair is ``first_lo`` / ``first_hi``."""
-    SUB: tl.constexpr = CHUNK // 4
-    VEC: tl.constexpr = 8
-    LANES: tl.constexpr = SUB // VEC
-    FMA: tl.constexpr = not INTERPRETED
-    TILE: tl.constexpr = GROUP * CHUNK
-    off_q = chunk_in_group[:, None] * CHUNK + qlane  # quarter 0 of each chunk, from the tile's start
-    if HAS_FIRST:
-        nxt_lo = first_lo
-        nxt_hi = first_hi
-    else:
-        nxt_lo = tl.load(row_ptr + g_lo * TILE + off_q)
-        nxt_hi = tl.load(row_ptr + g_lo * TILE + SUB + off_q)
-    if PREFETCH > 1:
-        tile_bytes = tl.full([], TILE, tl.int32) * (row_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        aligned = (row_ptr.to(tl.int64, bitcast=True) % 16) == 0
-        for d in tl.static_range(1, PREFETCH):
-            _prefetch_l2(row_ptr + (g_lo + d) * TILE, tile_bytes, aligned & (g_lo + d < g_hi))
-    for grp in range(g_lo, g_hi):
-        if PREFETCH > 1:
-            _prefetch_l2(row_ptr + (grp + PREFETCH) * TILE, tile_bytes, aligned & (grp + PREFETCH < g_hi))
-        tile_start = grp * TILE
-        # The excluded draft token's offset in this tile, -1 if it is not here.
-        rel = excluded - tile_start
-        rel = tl.where((rel >= 0) & (rel < TILE), rel, -1)
-        # Iteration 1: quarters 0 and 1 (loaded before); load quarters 2 and 3.
-        cur_lo = nxt_lo
-        cur_hi = nxt_hi
-        nxt_lo = tl.load(row_ptr + tile_start + 2 * SUB + off_q)
-        nxt_hi = tl.load(row_ptr + tile_start + 3 * SUB + off_q)
-        ml = tl.full([GROUP, LANES], float("-inf"), tl.float32)
-        zero = tl.zeros([GROUP, LANES], tl.float32)
-        aml = tl.full([GROUP, LANES], 2147483647, tl.int32)
-        ml, rl, sl, sle, aml = _lane_quarters(cur_lo, cur_hi, off_q, k, ml, zero, zero, zero, aml, greedy, rel,
-                                              True, LANES, VEC, FMA)
-        # Iteration 2: quarters 2 and 3; load the next tile's quarters 0 and 1.
-        cur_lo = nxt_lo
-        cur_hi = nxt_hi
-        nxt_lo = tl.load(row_ptr + tile_start + TILE + off_q, mask=grp + 1 < g_hi, other=0.0)
-        nxt_hi = tl.load(row_ptr + tile_start + TILE + SUB + off_q, mask=grp + 1 < g_hi, other=0.0)
-        ml, rl, sl, sle, aml = _lane_quarters(cur_lo, cur_hi, off_q + 2 * SUB, k, ml, rl, sl, sle, aml, greedy, rel,
-                                              False, LANES, VEC, FMA)
-        # The chunks: max over their lanes, the lanes' sums brought to it.
-        m_c = tl.max(ml, 1)
-        m_safe = tl.where(m_c > float("-inf"), m_c, 0.0)
-        if FMA:
-            to_c = tl.exp2(-tl.fma(m_safe[:, None], k, -rl))  # 2^(rl - m_c k), exact exponent by FMA
-        else:
-            to_c = tl.exp2((rl - m_safe[:, None]) * k)
-        to_c = tl.where(ml > float("-inf"), to_c, 0.0)
-        s_c = tl.sum(sl * to_c, 1)
-        chunks = grp * GROUP + chunk_in_group
-        if greedy:
-            am_c = tl.min(tl.where(ml == m_c[:, None], aml, 2147483647), 1)
-            am_vec = tl.where(m_c > m_vec, tile_start + am_c, am_vec)
-        else:
-            w_chunk = s_c
-            if rel >= 0:
-                w_chunk = tl.sum(sle * to_c, 1)  # deterministic drafts: the table leaves the token out
-            # A chunk of NaN and -inf only: max -inf, sum NaN; its total is 0 (see _stream_tile).
-            w_chunk = tl.where(m_c > float("-inf"), w_chunk, 0.0)
-            _store_table(table_m_row + chunks, m_c, chunks < num_chunks, ASM_TABLE)
-            _store_table(table_w_row + chunks, w_chunk, chunks < num_chunks, ASM_TABLE)
-        m_new = tl.maximum(m_vec, m_c)
-        s_vec = tl.where(m_vec > float("-inf"), s_vec * tl.exp2((m_vec - m_new) * k), 0.0) \
-            + tl.where(m_c > float("-inf"), s_c * tl.exp2((m_c - m_new) * k), 0.0)
-        m_vec = m_new
-    return m_vec, s_vec, am_vec
-
-
-@triton.jit
 def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_group, k, greedy, excluded, m_vec,
                        s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr,
                        GROUP: tl.constexpr, HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False):
@@ -459,7 +319,7 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
                   HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                  FAST: tl.constexpr = False, qlane=None, LANE_PARTIALS: tl.constexpr = False):
+                  FAST: tl.constexpr = False):
     """Phase 1 of one split (tiles g_lo .. g_hi - 1) of a row: its max, its sum of
     exp2((l - max) k) and first argmax (-1 for random requests), and its chunk table. Logits
     below the row's threshold thr count as -inf. HAS_FIRST (unfiltered rows only): tile g_lo,
@@ -469,20 +329,18 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
     exact form's values when every chunk max times k is finite and no logit is NaN; then the
     split's max times k is below +inf and its sum finite. Where that fails (+inf or NaN logits,
     logits beyond +-FLT_MAX / k) the split is streamed again in the exact form, which rewrites its
-    chunk table. LANE_PARTIALS (with FAST): the FMA pass streams its whole tiles with lane partials
-    (``_stream_lane_tiles``; ``first_raw`` / ``first_raw_hi`` then hold tile g_lo's first quarter
-    pair, offsets ``qlane``); the tail and the exact pass take the half-chunk tiles."""
+    chunk table."""
     m_vec, s_vec, am_vec = _stream_split_tiles(
         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy, excluded,
         table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HAS_FILTERS, first_raw, HAS_FIRST, first_raw_hi,
-        HALVES, ASM_TABLE, PREFETCH, FAST, qlane, LANE_PARTIALS and FAST)
+        HALVES, ASM_TABLE, PREFETCH, FAST)
     m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
     if FAST:
         if not ((m_run * k < float("inf")) & (s_run < float("inf"))):  # also catches a NaN sum
             m_vec, s_vec, am_vec = _stream_split_tiles(
                 row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy, excluded,
                 table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HAS_FILTERS, None, False, None,
-                HALVES, ASM_TABLE, PREFETCH, False, None, False)
+                HALVES, ASM_TABLE, PREFETCH, False)
             m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
     return m_run, s_run, am_run
 
@@ -491,10 +349,8 @@ def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, 
 def _stream_split_tiles(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                         excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                         HAS_FILTERS: tl.constexpr, first_raw, HAS_FIRST: tl.constexpr, first_raw_hi,
-                        HALVES: tl.constexpr, ASM_TABLE: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr,
-                        qlane, LANE_PARTIALS: tl.constexpr):
-    """``_stream_split``'s stream: the per-tile-row running max / sum / argmax of its tiles
-    (LANE_PARTIALS: the whole tiles with lane partials, ``first_raw`` a quarter pair)."""
+                        HALVES: tl.constexpr, ASM_TABLE: tl.constexpr, PREFETCH: tl.constexpr, FAST: tl.constexpr):
+    """``_stream_split``'s stream: the per-tile-row running max / sum / argmax of its tiles."""
     NEG_INF: tl.constexpr = float("-inf")
     HALF: tl.constexpr = CHUNK // 2
     # Per tile row (= chunk position) running max / sum / first argmax; the tile rows are
@@ -513,11 +369,6 @@ def _stream_split_tiles(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, 
                 row_ptr, g_lo, full_hi, cmax_row, thr, tile_lane, chunk_in_group, k, greedy,
                 excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, HALVES,
                 ASM_TABLE)
-        elif LANE_PARTIALS:
-            m_vec, s_vec, am_vec = _stream_lane_tiles(
-                row_ptr, g_lo, full_hi, qlane, chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec,
-                table_m_row, table_w_row, num_chunks, CHUNK, GROUP, first_raw, first_raw_hi, HAS_FIRST, ASM_TABLE,
-                PREFETCH)
         else:
             m_vec, s_vec, am_vec = _stream_full_tiles(
                 row_ptr, g_lo, full_hi, tile_lane, chunk_in_group, k, greedy, excluded, m_vec, s_vec,
@@ -533,15 +384,14 @@ def _stream_split_tiles(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, 
             kept = _kept_chunks(cmax_row, tail * GROUP + chunk_in_group, thr, num_chunks)[:, None]
             in_row = in_row & kept
             in_row_hi = in_row_hi & kept
-        # (With LANE_PARTIALS first_raw is a quarter pair: the tail loads its own.)
-        if HAS_FIRST and not LANE_PARTIALS:
+        if HAS_FIRST:
             raw = tl.where(tail == g_lo, first_raw,
                            tl.load(row_ptr + offs, mask=in_row & (tail != g_lo), other=NEG_INF))
         else:
             raw = tl.load(row_ptr + offs, mask=in_row, other=NEG_INF)
         raw_hi = raw
         if HALVES:
-            if HAS_FIRST and not LANE_PARTIALS:
+            if HAS_FIRST:
                 raw_hi = tl.where(tail == g_lo, first_raw_hi,
                                   tl.load(row_ptr + HALF + offs, mask=in_row_hi & (tail != g_lo), other=NEG_INF))
             else:
@@ -825,7 +675,6 @@ def _rejection_sample_kernel(
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
     HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     FAST_EXP: tl.constexpr = False,  # unfiltered calls only (the launcher's rule)
-    LANE_PARTIALS: tl.constexpr = False,  # with FAST_EXP, 16-bit logits (the launcher's rule)
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -858,10 +707,6 @@ def _rejection_sample_kernel(
         lane = tl.arange(0, HALF)[None, :]
     else:
         lane = tl.arange(0, CHUNK)[None, :]
-    # LANE_PARTIALS: the whole tiles of the FMA pass come a quarter pair at a time (``_stream_lane_tiles``).
-    qlane = None
-    if LANE_PARTIALS:
-        qlane = tl.arange(0, CHUNK // 4)[None, :]
     chunk_in_group = tl.arange(0, GROUP)
     if is_phase1:
         g_lo = s_idx * groups_per_split
@@ -875,19 +720,12 @@ def _rejection_sample_kernel(
         # its draft b max_spec_len + t. The split's first tile and the draft id are loaded with
         # the request's fields instead of after them; the fields confirm the guess below.
         guess_ptr = logits_ptr + (b * (max_spec_len + 1) + t).to(tl.int64) * logits_row_stride
-        if LANE_PARTIALS:
-            QUARTER: tl.constexpr = CHUNK // 4
-            first_offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + qlane
-            first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
-            first_raw_hi = tl.load(guess_ptr + QUARTER + first_offs,
-                                   mask=(first_offs + QUARTER < vocab_size) & is_phase1, other=NEG_INF)
-        else:
-            first_offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
-            first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
-            first_raw_hi = first_raw
-            if HALVES:
-                first_raw_hi = tl.load(guess_ptr + HALF + first_offs,
-                                       mask=(first_offs + HALF < vocab_size) & is_phase1, other=NEG_INF)
+        first_offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
+        first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
+        first_raw_hi = first_raw
+        if HALVES:
+            first_raw_hi = tl.load(guess_ptr + HALF + first_offs, mask=(first_offs + HALF < vocab_size) & is_phase1,
+                                   other=NEG_INF)
         x_guess = _token_in_vocab(
             tl.load(draft_ids_ptr + b * max_spec_len + t, mask=(t < max_spec_len) & is_phase1, other=-1), vocab_size)
         guess_excluded = tl.full([], -1, tl.int32)
@@ -921,7 +759,7 @@ def _rejection_sample_kernel(
             m_run, s_run, am_run = _stream_split(
                 guess_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr, NEG_INF, lane, chunk_in_group, k, greedy,
                 guess_excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False, first_raw, True,
-                first_raw_hi, HALVES, ASM_TABLE, PREFETCH, FAST_EXP, qlane, LANE_PARTIALS)
+                first_raw_hi, HALVES, ASM_TABLE, PREFETCH, FAST_EXP)
             miss = (cu_lo != b * max_spec_len) | (n != max_spec_len)
             draft_lx, draft_px = guess_lx, guess_px
         else:
@@ -961,7 +799,7 @@ def _rejection_sample_kernel(
                     m_run, s_run, am_run = _stream_split(
                         row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_ptr + slot * num_chunks, thr_row, lane,
                         chunk_in_group, k, greedy, excluded, table_m_row, table_w_row, num_chunks, CHUNK, GROUP,
-                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, FAST_EXP, qlane, LANE_PARTIALS)
+                        HAS_FILTERS, None, False, None, HALVES, ASM_TABLE, PREFETCH, FAST_EXP)
         if t <= n:
             rec = slot * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
@@ -1161,14 +999,6 @@ def wide_logit_rows(logits_dtype: torch.dtype, has_draft_probs: bool, num_rows: 
             and not has_filters)
 
 
-def lane_partials(logits_dtype: torch.dtype, has_draft_probs: bool, num_rows: int, has_filters: bool) -> bool:
-    """Calls whose whole tiles stream with lane partials (``_stream_lane_tiles``, tiles of
-    LANE_GROUP chunks): the FMA form's calls (unfiltered) with 16-bit logits, without draft
-    probabilities (LANE_PARTIALS = 2: with them too), from LANE_PARTIALS_MIN_ROWS rows on."""
-    return (LANE_PARTIALS > 0 and FAST_EXP and not has_filters and logits_dtype.itemsize == 2
-            and (not has_draft_probs or LANE_PARTIALS == 2) and num_rows >= LANE_PARTIALS_MIN_ROWS)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm90(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0+ (asked once per device: the launcher's path)."""
@@ -1238,11 +1068,9 @@ def rejection_sample_triton(
     if B == 0:
         return out_tokens, num_accepted
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
+    num_groups = triton.cdiv(num_chunks, GROUP)
     has_draft_probs = draft_probs is not None
     has_filters = top_k is not None or top_p is not None or min_p is not None
-    use_lane_partials = lane_partials(target_logits.dtype, has_draft_probs, R, has_filters)
-    group = LANE_GROUP if use_lane_partials else GROUP
-    num_groups = triton.cdiv(num_chunks, group)
     per_sm = PROGRAMS_PER_SM_WIDE if wide_logit_rows(target_logits.dtype, has_draft_probs, R, has_filters) \
         else PROGRAMS_PER_SM
     num_splits, groups_per_split = _row_split(device, R, num_groups, num_splits, per_sm)
@@ -1304,7 +1132,7 @@ def rejection_sample_triton(
         SPLITS_PAD=triton.next_power_of_2(max(num_splits, residual_splits)),
         CHUNKS_PAD=triton.next_power_of_2(num_chunks),
         CHUNK=SAMPLE_CHUNK,
-        GROUP=group,
+        GROUP=GROUP,
         STREAM_ACCEPT=STREAM_ACCEPT,
         STREAM_SAMPLE=STREAM_SAMPLE,
         HAS_FILTERS=has_filters,
@@ -1316,7 +1144,6 @@ def rejection_sample_triton(
         ASM_TABLE=asm_table_enabled(device),
         PREFETCH=prefetch_tiles(device, target_logits.dtype),
         FAST_EXP=FAST_EXP and not has_filters,
-        LANE_PARTIALS=use_lane_partials,
         num_warps=NUM_WARPS,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": MAXNREG} if MAXNREG > 0 and not has_filters else {}),
