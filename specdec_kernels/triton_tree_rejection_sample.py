@@ -1,6 +1,8 @@
 """Fused Triton kernel for tree verification: ``_tree_rejection_sample_kernel`` -> launcher.
 
-One launch per call. Phase 1 is the chain kernel's stream (triton_rejection_sample.py): one
+One launch per call. Phase 1 is the chain kernel's stream (triton_rejection_sample.py,
+``_stream_split``: half-chunk tiles, the FMA exponent, the L2 prefetch, the register cap; a
+split's first tile is loaded before its request is found): one
 program per (node row, split) streams the row once and writes its record (max, sum of
 exp2((l - max) k), greedy argmax) and, for random requests, its chunk table. The program that
 finishes a request last (an atomic counter) walks the request's tree exactly as the reference
@@ -17,17 +19,19 @@ only on its earlier siblings), which is the planned fast path.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from .triton_rejection_sample import (
+    FAST_EXP,
     GROUP,
+    HALVES,
+    MAXNREG,
     NUM_WARPS,
-    _combine_tile_rows,
-    _empty_chunks,
-    _kept_chunks,
     _kept_set_record,
     _open_uniform,
     _philox_words,
@@ -35,12 +39,18 @@ from .triton_rejection_sample import (
     _row_split,
     _row_table,
     _sanitize,
-    _stream_tile,
+    _stream_split,
     _uniform,
     _workspace,
+    asm_table_enabled,
+    prefetch_tiles,
 )
 
 NODE_BLOCK = 64  # nodes scanned per step when looking for children
+# Unfiltered tree calls take the chain kernel's register cap too (MAXNREG; SPECDEC_TRITON_TREE_MAXNREG=0:
+# none, for A/B timings). The stream is the chain kernel's (``_stream_split``), whose loop is
+# written for that cap (docs/PERF.md, "The Triton tree on the chain stream").
+TREE_MAXNREG = os.environ.get("SPECDEC_TRITON_TREE_MAXNREG", "1") != "0"
 CU_BLOCK = 1024  # request offsets scanned per step when looking for a row's request
 
 
@@ -95,32 +105,6 @@ def _node_threshold(thr_ptr, row, HAS_FILTERS: tl.constexpr):
 
 
 @triton.jit
-def _stream_row_tiles(row_ptr, g_lo, g_hi, vocab_size, cmax_row, thr, tile_lane, chunk_in_group, k, greedy,
-                      excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr,
-                      GROUP: tl.constexpr, FILTERED: tl.constexpr):
-    """Stream tiles g_lo .. g_hi - 1 of a node's row. FILTERED (threshold thr > -inf): logits
-    below thr count as -inf, chunks whose max (cmax_row) is below it are not loaded, and a tile
-    without a kept chunk only writes its empty table entries."""
-    for grp in range(g_lo, g_hi):
-        offs = grp * (GROUP * CHUNK) + tile_lane
-        if FILTERED:
-            keep = _kept_chunks(cmax_row, grp * GROUP + chunk_in_group, thr, num_chunks)
-            if tl.max(keep.to(tl.int32), 0) > 0:
-                raw = tl.load(row_ptr + offs, mask=(offs < vocab_size) & keep[:, None], other=float("-inf"))
-                m_vec, s_vec, am_vec = _stream_tile(
-                    raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded,
-                    m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, thr, True)
-            else:
-                _empty_chunks(table_m_row, table_w_row, grp * GROUP + chunk_in_group, num_chunks, greedy)
-        else:
-            raw = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf"))
-            m_vec, s_vec, am_vec = _stream_tile(
-                raw, grp * (GROUP * CHUNK), grp * GROUP + chunk_in_group, tile_lane, k, greedy, excluded, m_vec,
-                s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP)
-    return m_vec, s_vec, am_vec
-
-
-@triton.jit
 def _next_child(parents_ptr, cu_lo, n, v, after, NODE_BLOCK: tl.constexpr):
     """The first child of local node v with local index > after, -1 if none. A parent link
     counts only if 0 <= parent < child (the reference's rule)."""
@@ -140,9 +124,12 @@ def _next_child(parents_ptr, cu_lo, n, v, after, NODE_BLOCK: tl.constexpr):
 def _is_child_token(lanes, tokens_ptr, parents_ptr, cu_lo, n, v, vocab_size, NODE_BLOCK: tl.constexpr):
     """For a vector of vocabulary lanes: True where the lane is the (valid) token of a child of
     v -- the residual excludes exactly those once all of v's children were rejected."""
+    # Nodes 8 at a time: a [lanes, NODE_BLOCK] match would hold 128 values a thread for a chunk's
+    # 256 lanes, and ptxas then compiles the whole kernel to 32 registers and a 3.6 KB stack.
+    CHILD_BLOCK: tl.constexpr = 8
     hit = tl.zeros(lanes.shape, tl.int1)
-    for start in range(1, n, NODE_BLOCK):
-        idx = start + tl.arange(0, NODE_BLOCK)
+    for start in range(1, n, CHILD_BLOCK):
+        idx = start + tl.arange(0, CHILD_BLOCK)
         par = tl.load(parents_ptr + cu_lo + idx, mask=idx < n, other=-1).to(tl.int64)
         tok = tl.load(tokens_ptr + cu_lo + idx, mask=idx < n, other=-1).to(tl.int64)
         child = (idx < n) & (par == v) & (par < idx) & (tok >= 0) & (tok < vocab_size)
@@ -272,10 +259,34 @@ def _tree_rejection_sample_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr, NODE_BLOCK: tl.constexpr, CU_BLOCK: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr,
+    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    FAST_EXP: tl.constexpr = False,  # unfiltered calls only (the launcher's rule)
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     unit = tl.program_id(0)
+    # Phase 1 streams the chain kernel's way (``_stream_split``): tiles of GROUP chunks, with
+    # HALVES as two [GROUP, CHUNK / 2] tensors.
+    HALF: tl.constexpr = CHUNK // 2
+    if HALVES:
+        lane = tl.arange(0, HALF)[None, :]
+    else:
+        lane = tl.arange(0, CHUNK)[None, :]
+    chunk_in_group = tl.arange(0, GROUP)
+    first_raw = None
+    first_raw_hi = None
+    if not HAS_FILTERS:
+        # A unit's row is known before its request: the split's first tile is loaded before the
+        # request's offsets are searched (a unit past phase 1 loads nothing).
+        first_row = (unit // num_splits).to(tl.int64)
+        first_offs = (unit % num_splits) * groups_per_split * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
+        first_ptr = logits_ptr + first_row * logits_row_stride
+        first_raw = tl.load(first_ptr + first_offs, mask=(first_offs < vocab_size) & (unit < units_phase1),
+                            other=NEG_INF)
+        first_raw_hi = first_raw
+        if HALVES:
+            first_raw_hi = tl.load(first_ptr + HALF + first_offs,
+                                   mask=(first_offs + HALF < vocab_size) & (unit < units_phase1), other=NEG_INF)
     if unit < units_phase1:
         row = (unit // num_splits).to(tl.int64)
         s_idx = unit % num_splits
@@ -309,16 +320,12 @@ def _tree_rejection_sample_kernel(
                          mask=depth_lanes <= max_depth)
                 tl.store(out_num_accepted_ptr + b, 0)
         elif (row >= cu_lo) & (row < cu_lo + n):
-            # Phase 1: stream this split of the node's row (the chain kernel's loop).
+            # Phase 1: stream this split of the node's row (the chain kernel's stream).
             row_ptr = logits_ptr + row * logits_row_stride
-            lane = tl.arange(0, CHUNK)[None, :]
-            chunk_in_group = tl.arange(0, GROUP)
-            tile_lane = chunk_in_group[:, None] * CHUNK + lane
             g_lo = s_idx * groups_per_split
             g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
             table_m_row = table_m_ptr + row * num_chunks
             table_w_row = table_w_ptr + row * num_chunks
-            excluded = tl.full([], -1, tl.int32)
             # Sampling filters: logits below the row's threshold count as -inf, chunks whose
             # max is below it are not read, and a row whose whole kept set the threshold pass
             # held (kept_z > 0) is not read at all (triton_filters.py).
@@ -330,21 +337,11 @@ def _tree_rejection_sample_kernel(
                 # Its statistics are the pass's, its chunk table too (``_row_table``).
                 m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, row, s_idx)
             else:
-                m_vec = tl.full([GROUP], NEG_INF, tl.float32)
-                s_vec = tl.zeros([GROUP], tl.float32)
-                am_vec = tl.full([GROUP], 2147483647, tl.int32)
-                # Unfiltered rows (thr = -inf: always without HAS_FILTERS, where the compiler drops
-                # the other branch) take the plain loop, also in a filtered call.
-                if thr_row > NEG_INF:
-                    m_vec, s_vec, am_vec = _stream_row_tiles(
-                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, tile_lane,
-                        chunk_in_group, k, greedy, excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row,
-                        num_chunks, CHUNK, GROUP, True)
-                else:
-                    m_vec, s_vec, am_vec = _stream_row_tiles(
-                        row_ptr, g_lo, g_hi, vocab_size, cmax_ptr, thr_row, tile_lane, chunk_in_group, k, greedy,
-                        excluded, m_vec, s_vec, am_vec, table_m_row, table_w_row, num_chunks, CHUNK, GROUP, False)
-                m_run, s_run, am_run = _combine_tile_rows(m_vec, s_vec, am_vec, k)
+                m_run, s_run, am_run = _stream_split(
+                    row_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, lane,
+                    chunk_in_group, k, greedy, tl.full([], -1, tl.int32), table_m_row, table_w_row, num_chunks,
+                    CHUNK, GROUP, HAS_FILTERS, first_raw, not HAS_FILTERS, first_raw_hi, HALVES, ASM_TABLE,
+                    PREFETCH, FAST_EXP)
             rec = row * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
             tl.store(rec_s_ptr + rec, s_run)
@@ -504,7 +501,12 @@ def tree_rejection_sample_triton(
         CHUNK=SAMPLE_CHUNK, GROUP=GROUP, NODE_BLOCK=NODE_BLOCK, CU_BLOCK=CU_BLOCK,
         STREAM_ACCEPT=STREAM_ACCEPT, STREAM_SAMPLE=STREAM_SAMPLE,
         HAS_FILTERS=has_filters,
+        HALVES=HALVES,
+        ASM_TABLE=asm_table_enabled(device),
+        PREFETCH=prefetch_tiles(device, target_logits.dtype),
+        FAST_EXP=FAST_EXP and not has_filters,
         num_warps=NUM_WARPS,
+        **({"maxnreg": MAXNREG} if TREE_MAXNREG and MAXNREG > 0 and not has_filters else {}),
     )
     return out_tokens, out_nodes, num_accepted
 
