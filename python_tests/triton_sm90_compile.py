@@ -65,6 +65,9 @@ def constexpr_value(module, name: str):
         return module.SAMPLE_CHUNK
     if hasattr(module, "FILTER_" + name):  # the threshold pass's knobs (triton_filters.py)
         return getattr(module, "FILTER_" + name)
+    chain = importlib.import_module("specdec_kernels.triton_rejection_sample")
+    if hasattr(chain, name):  # the chain kernel's knobs (the tree kernel streams with its _stream_split)
+        return getattr(chain, name)
     if name in ("GROUP", "CU_BLOCK"):
         return {"GROUP": 8, "CU_BLOCK": 1024}[name]
     if name == "CHUNKS_PAD":
