@@ -315,6 +315,31 @@ def _stream_kept_tiles(row_ptr, g_lo, g_hi, cmax_row, thr, tile_lane, chunk_in_g
 
 
 @triton.jit
+def _tile_lanes(CHUNK: tl.constexpr, GROUP: tl.constexpr, HALVES: tl.constexpr):
+    """(lane, chunk_in_group) of ``_stream_split``'s tiles: GROUP chunks of CHUNK logits, one chunk
+    per tile row; HALVES: two [GROUP, CHUNK / 2] tensors, the chunks' halves (``_stream_tile``)."""
+    if HALVES:
+        lane = tl.arange(0, CHUNK // 2)[None, :]
+    else:
+        lane = tl.arange(0, CHUNK)[None, :]
+    return lane, tl.arange(0, GROUP)
+
+
+@triton.jit
+def _first_tile(row_ptr, g_lo, lane, chunk_in_group, vocab_size, load, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                HALVES: tl.constexpr):
+    """Tile g_lo of a row as ``_stream_split`` takes it ahead of the stream (``first_raw``,
+    ``first_raw_hi``): entries past the vocabulary -inf, nothing read where not ``load``."""
+    offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
+    raw = tl.load(row_ptr + offs, mask=(offs < vocab_size) & load, other=float("-inf"))
+    raw_hi = raw
+    if HALVES:
+        raw_hi = tl.load(row_ptr + CHUNK // 2 + offs, mask=(offs + CHUNK // 2 < vocab_size) & load,
+                         other=float("-inf"))
+    return raw, raw_hi
+
+
+@triton.jit
 def _stream_split(row_ptr, row_ok, g_lo, g_hi, vocab_size, cmax_row, thr, lane, chunk_in_group, k, greedy,
                   excluded, table_m_row, table_w_row, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                   HAS_FILTERS: tl.constexpr, first_raw=None, HAS_FIRST: tl.constexpr = False, first_raw_hi=None,
@@ -700,14 +725,8 @@ def _rejection_sample_kernel(
         s_idx = (unit - units_phase1) % residual_splits
         b = (unit - units_phase1) // residual_splits // residual_rows
         t = (unit - units_phase1) // residual_splits % residual_rows
-    # A tile is GROUP chunks of CHUNK logits: [GROUP, CHUNK], one chunk per tile row; HALVES:
-    # two [GROUP, CHUNK / 2] tensors, the chunks' first and second halves (``_stream_tile``).
     HALF: tl.constexpr = CHUNK // 2
-    if HALVES:
-        lane = tl.arange(0, HALF)[None, :]
-    else:
-        lane = tl.arange(0, CHUNK)[None, :]
-    chunk_in_group = tl.arange(0, GROUP)
+    lane, chunk_in_group = _tile_lanes(CHUNK, GROUP, HALVES)
     if is_phase1:
         g_lo = s_idx * groups_per_split
         g_hi = tl.minimum(g_lo + groups_per_split, num_groups)
@@ -720,12 +739,8 @@ def _rejection_sample_kernel(
         # its draft b max_spec_len + t. The split's first tile and the draft id are loaded with
         # the request's fields instead of after them; the fields confirm the guess below.
         guess_ptr = logits_ptr + (b * (max_spec_len + 1) + t).to(tl.int64) * logits_row_stride
-        first_offs = g_lo * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
-        first_raw = tl.load(guess_ptr + first_offs, mask=(first_offs < vocab_size) & is_phase1, other=NEG_INF)
-        first_raw_hi = first_raw
-        if HALVES:
-            first_raw_hi = tl.load(guess_ptr + HALF + first_offs, mask=(first_offs + HALF < vocab_size) & is_phase1,
-                                   other=NEG_INF)
+        first_raw, first_raw_hi = _first_tile(guess_ptr, g_lo, lane, chunk_in_group, vocab_size, is_phase1, CHUNK,
+                                              GROUP, HALVES)
         x_guess = _token_in_vocab(
             tl.load(draft_ids_ptr + b * max_spec_len + t, mask=(t < max_spec_len) & is_phase1, other=-1), vocab_size)
         guess_excluded = tl.full([], -1, tl.int32)

@@ -39,7 +39,9 @@ from .triton_rejection_sample import (
     _row_split,
     _row_table,
     _sanitize,
+    _first_tile,
     _stream_split,
+    _tile_lanes,
     _uniform,
     _workspace,
     asm_table_enabled,
@@ -265,28 +267,16 @@ def _tree_rejection_sample_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     unit = tl.program_id(0)
-    # Phase 1 streams the chain kernel's way (``_stream_split``): tiles of GROUP chunks, with
-    # HALVES as two [GROUP, CHUNK / 2] tensors.
-    HALF: tl.constexpr = CHUNK // 2
-    if HALVES:
-        lane = tl.arange(0, HALF)[None, :]
-    else:
-        lane = tl.arange(0, CHUNK)[None, :]
-    chunk_in_group = tl.arange(0, GROUP)
+    # Phase 1 streams the chain kernel's way (``_stream_split``).
+    lane, chunk_in_group = _tile_lanes(CHUNK, GROUP, HALVES)
     first_raw = None
     first_raw_hi = None
     if not HAS_FILTERS:
         # A unit's row is known before its request: the split's first tile is loaded before the
         # request's offsets are searched (a unit past phase 1 loads nothing).
-        first_row = (unit // num_splits).to(tl.int64)
-        first_offs = (unit % num_splits) * groups_per_split * (GROUP * CHUNK) + chunk_in_group[:, None] * CHUNK + lane
-        first_ptr = logits_ptr + first_row * logits_row_stride
-        first_raw = tl.load(first_ptr + first_offs, mask=(first_offs < vocab_size) & (unit < units_phase1),
-                            other=NEG_INF)
-        first_raw_hi = first_raw
-        if HALVES:
-            first_raw_hi = tl.load(first_ptr + HALF + first_offs,
-                                   mask=(first_offs + HALF < vocab_size) & (unit < units_phase1), other=NEG_INF)
+        first_raw, first_raw_hi = _first_tile(
+            logits_ptr + (unit // num_splits).to(tl.int64) * logits_row_stride, (unit % num_splits) * groups_per_split,
+            lane, chunk_in_group, vocab_size, unit < units_phase1, CHUNK, GROUP, HALVES)
     if unit < units_phase1:
         row = (unit // num_splits).to(tl.int64)
         s_idx = unit % num_splits
