@@ -32,6 +32,7 @@ from .triton_rejection_sample import (
     HALVES,
     MAXNREG,
     NUM_WARPS,
+    _first_tile,
     _kept_set_record,
     _open_uniform,
     _philox_words,
@@ -39,7 +40,6 @@ from .triton_rejection_sample import (
     _row_split,
     _row_table,
     _sanitize,
-    _first_tile,
     _stream_split,
     _tile_lanes,
     _uniform,
@@ -51,7 +51,8 @@ from .triton_rejection_sample import (
 NODE_BLOCK = 64  # nodes scanned per step when looking for children
 # Unfiltered tree calls take the chain kernel's register cap too (MAXNREG; SPECDEC_TRITON_TREE_MAXNREG=0:
 # none, for A/B timings). The stream is the chain kernel's (``_stream_split``), whose loop is
-# written for that cap (docs/PERF.md, "The Triton tree on the chain stream").
+# written for that cap (docs/PERF.md, section "Register caps and lane partials for the chain
+# stream, tried; the Triton tree on the chain stream, merged").
 TREE_MAXNREG = os.environ.get("SPECDEC_TRITON_TREE_MAXNREG", "1") != "0"
 CU_BLOCK = 1024  # request offsets scanned per step when looking for a row's request
 
