@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -52,33 +53,49 @@ class _Capture:
         return lambda *args, **kwargs: self.call.update(args=args, kwargs=kwargs)
 
 
+@contextlib.contextmanager
+def _gpu_launch(module, kernel: str, sms: int):
+    """Within: ``module.kernel`` records its launch (a ``_Capture``, yielded), and the launcher
+    rules that ask the device answer as on an sm_90 GPU of ``sms`` SMs, so a launcher run on CPU
+    tensors passes the kernel what it would there: the split's program target, programmatic
+    dependent launch, the L2 prefetch (``prefetch_tiles`` asks ``_sm90``) and the chunk tables
+    stored from registers (``asm_table_enabled``, looked up in ``module``: the tree module imports
+    it by name)."""
+    from specdec_kernels import triton_rejection_sample as chain
+
+    capture = _Capture()
+    stand_ins = [(module, kernel, capture),
+                 (chain, "_target_programs",
+                  lambda device, programs_per_sm=chain.PROGRAMS_PER_SM: programs_per_sm * sms),
+                 (chain, "pdl_enabled", lambda device: True),
+                 (chain, "_sm90", lambda device: True),
+                 (module, "asm_table_enabled", lambda device: chain.ASM_TABLE)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
+    for owner, name, value in stand_ins:
+        setattr(owner, name, value)
+    try:
+        yield capture
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool, sms: int):
     """(args, kwargs) the launcher passes to ``_rejection_sample_kernel`` for the benchmark's call
     (bench_rejection_sample.make_inputs: a uniform batch, temperatures, seeds and offsets) on a GPU
     of ``sms`` SMs with launch overlap: ``rejection_sample_triton`` runs on CPU tensors with the
-    launch captured, not made."""
+    launch captured, not made (``_gpu_launch``)."""
     import torch
     from bench_rejection_sample import DTYPES
     from specdec_kernels import triton_rejection_sample as module
 
     dtype = DTYPES[logits]
-    capture = _Capture()
-    saved = (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
-             module._sm90)
-    module._rejection_sample_kernel = capture
-    module._target_programs = lambda device, programs_per_sm=module.PROGRAMS_PER_SM: programs_per_sm * sms
-    module.pdl_enabled = lambda device: True
-    module.asm_table_enabled = lambda device: module.ASM_TABLE
-    module._sm90 = lambda device: True  # the launcher's own rules then hold (prefetch_tiles)
-    try:
+    with _gpu_launch(module, "_rejection_sample_kernel", sms) as capture:
         module.rejection_sample_triton(
             torch.zeros(batch * (k + 1), vocab, dtype=dtype), torch.zeros(batch * k, dtype=torch.int64),
             torch.arange(0, (batch + 1) * k, k, dtype=torch.int32),
             torch.zeros(batch * k, vocab) if draft_probs else None, torch.ones(batch),
             torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), k)
-    finally:
-        (module._rejection_sample_kernel, module._target_programs, module.pdl_enabled, module.asm_table_enabled,
-         module._sm90) = saved
     return capture.call["args"], capture.call["kwargs"]
 
 
@@ -88,27 +105,19 @@ def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_pr
     import torch
     from bench_rejection_sample import DTYPES
     from bench_tree_rejection_sample import TREES, tree_depth
-    from specdec_kernels import triton_rejection_sample as chain
     from specdec_kernels import triton_tree_rejection_sample as module
 
     if nodes not in TREES:
         raise SystemExit(f"--tree: the tree benchmark's shapes have {sorted(TREES)} nodes, not {nodes}")
     dtype = DTYPES[logits]
-    capture = _Capture()
-    saved = module._tree_rejection_sample_kernel, chain._target_programs
-    module._tree_rejection_sample_kernel = capture
-    # The tree launcher splits rows with the chain module's _row_split.
-    chain._target_programs = lambda device, programs_per_sm=chain.PROGRAMS_PER_SM: programs_per_sm * sms
     n = batch * nodes
     parents = torch.tensor(TREES[nodes], dtype=torch.int32).repeat(batch)
-    try:
+    with _gpu_launch(module, "_tree_rejection_sample_kernel", sms) as capture:
         module.tree_rejection_sample_triton(
             torch.zeros(n, vocab, dtype=dtype), torch.zeros(n, dtype=torch.int64), parents,
             torch.arange(0, n + 1, nodes, dtype=torch.int32), torch.zeros(n, vocab) if draft_probs else None,
             torch.ones(batch), torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
             tree_depth(TREES[nodes]))
-    finally:
-        module._tree_rejection_sample_kernel, chain._target_programs = saved
     return capture.call["args"], capture.call["kwargs"]
 
 
