@@ -268,6 +268,9 @@ def _tree_rejection_sample_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     unit = tl.program_id(0)
+    # Phase-1 units are (node row, split); the others one per request (below).
+    row = (unit // num_splits).to(tl.int64)
+    s_idx = unit % num_splits
     # Phase 1 streams the chain kernel's way (``_stream_split``).
     lane, chunk_in_group = _tile_lanes(CHUNK, GROUP, HALVES)
     first_raw = None
@@ -275,12 +278,9 @@ def _tree_rejection_sample_kernel(
     if not HAS_FILTERS:
         # A unit's row is known before its request: the split's first tile is loaded before the
         # request's offsets are searched (a unit past phase 1 loads nothing).
-        first_raw, first_raw_hi = _first_tile(
-            logits_ptr + (unit // num_splits).to(tl.int64) * logits_row_stride, (unit % num_splits) * groups_per_split,
-            lane, chunk_in_group, vocab_size, unit < units_phase1, CHUNK, GROUP, HALVES)
+        first_raw, first_raw_hi = _first_tile(logits_ptr + row * logits_row_stride, s_idx * groups_per_split, lane,
+                                              chunk_in_group, vocab_size, unit < units_phase1, CHUNK, GROUP, HALVES)
     if unit < units_phase1:
-        row = (unit // num_splits).to(tl.int64)
-        s_idx = unit % num_splits
         b = _owner_request(cu_ptr, row, num_requests, CU_BLOCK)
     else:
         row = tl.full([], -1, tl.int64)
