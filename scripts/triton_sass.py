@@ -219,9 +219,10 @@ def main() -> int:
     for start, end, body in streaming_loops(sass):
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for op in body)
         top = ", ".join(f"{n} {op}" for op, n in ops.most_common(8))
+        barriers = sum(n for op, n in ops.items() if op.startswith("BAR"))
+        spills = sum(n for op, n in ops.items() if op.startswith(("STL", "LDL")))
         print(f"loop [{start}, {end}]: {len(body)} instructions, {ops['LDG.E.128']} LDG.E.128, "
-              f"{sum(op.startswith('BAR') for op in ops.elements())} BAR, {ops['SHFL.BFLY']} SHFL, "
-              f"{sum(n for op, n in ops.items() if op.startswith(('STL', 'LDL')))} spill accesses | {top}")
+              f"{barriers} BAR, {ops['SHFL.BFLY']} SHFL, {spills} spill accesses | {top}")
     print(f"files: {workdir}")
     return 0
 
