@@ -51,12 +51,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import specdec_kernels  # noqa: E402
-from specdec_kernels import ops  # noqa: E402
+from specdec_kernels import _ops as ops  # noqa: E402
 from specdec_kernels.backends import resolve_backend  # noqa: E402
 from specdec_kernels.distributed import (  # noqa: E402
     rejection_sample_vocab_parallel,
     tree_rejection_sample_vocab_parallel,
 )
+from specdec_kernels.triton import config as triton_config  # noqa: E402
 
 # all_gather_into_tensor was renamed all_gather_single (torch 2.14 deprecates the old name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -430,4 +431,5 @@ def markdown_table(rows, info, world) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    with triton_config.use(*triton_config.from_env()):  # SPECDEC_TRITON_* knobs: benchmarks/README.md
+        main()

@@ -19,10 +19,10 @@ search, the verification kernel); ``--profile-one SETTING`` runs only that call 
 Times as in bench_rejection_sample.py: ``graph`` = GPU time per call from a CUDA graph of
 several calls on distinct input sets (L2 flushed before each replay), ``eager`` = the Python
 call. ``vs_unfiltered`` = graph time over the unfiltered Triton graph time of the same
-configuration. ``--knobs`` also times the filtered call for several FILTER_CAP / FILTER_TILE
-values (specdec_kernels/triton_filters.py; each is a separate compile); ``--knob-runs`` times the
-chosen settings under explicit knob sets, e.g.
-``"FILTER_MAXNREG=0 FILTER_PIVOT_ACCUMULATE=0;FILTER_MAXNREG=128 FILTER_PIVOT_ACCUMULATE=1 FILTER_PIVOT_TILE=1"``.
+configuration. ``--knobs`` also times the filtered call for several FilterConfig cap / tile
+values (specdec_kernels/triton/config.py; each is a separate compile); ``--knob-runs`` times the
+chosen settings under explicit FilterConfig field sets, e.g. ``"maxnreg=0;maxnreg=128 pivot_tile=1"``.
+SPECDEC_TRITON_* variables set the configs of the whole run (``config.from_env``).
 
     python benchmarks/bench_filters.py --out bench_out            # the bar's configuration (+ fp32 + draft probs)
     python benchmarks/bench_filters.py --out bench_out --knobs    # + the knob sweep
@@ -41,7 +41,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
-from specdec_kernels import triton_filters as tf  # noqa: E402
+from specdec_kernels.triton import config  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
     DTYPES, copy_bandwidth, floor_us, make_inputs, time_eager, time_graph, versions, write_csv)
 
@@ -138,8 +138,8 @@ def main():
                     help=f"comma list of filter settings to time, of {list(FILTER_SETTINGS)}")
     ap.add_argument("--configs", default="bf16,fp32+draft", help=f"comma list of {list(CONFIGS)}")
     ap.add_argument("--knob-runs", default="",
-                    help="';'-separated sets of 'NAME=value' module knobs of triton_filters (FILTER_*), "
-                         "each timing every --settings entry")
+                    help="';'-separated sets of 'field=value' FilterConfig fields, each timing every --settings "
+                         "entry")
     ap.add_argument("--no-sort", action="store_true", help="skip the sort-based baselines")
     ap.add_argument("--tag", default="", help="a label for this run: a CSV column and the files' suffix")
     ap.add_argument("--breakdown", action="store_true",
@@ -148,6 +148,7 @@ def main():
     ap.add_argument("--profile-one", default="",
                     help="run only this --settings entry a few times at the first batch / config (for ncu)")
     args = ap.parse_args()
+    verify_cfg, filter_cfg = config.from_env()
     configs = [CONFIGS[c.strip()] for c in args.configs.split(",")]
     settings = [name.strip() for name in args.settings.split(",")]
     unknown = [name for name in settings if name not in FILTER_SETTINGS]
@@ -167,7 +168,7 @@ def main():
     cuda_built = specdec_kernels.available_backends()["cuda"] == "available"
     print(f"# {info['card']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; torch {info['torch']}, "
           f"triton {info['triton']}, commit {info['commit']}; CUDA kernel built: {cuda_built}; "
-          f"FILTER_CAP={tf.FILTER_CAP} FILTER_TILE={tf.FILTER_TILE}", flush=True)
+          f"{verify_cfg} {filter_cfg}", flush=True)
     k = args.k
     rows = []
     for scale in (float(s) for s in args.scale.split(",")):
@@ -208,19 +209,18 @@ def main():
                                  for name, s in FILTER_SETTINGS.items() if name in settings]
                 knob_runs = [{}]
                 if args.knobs:
-                    knob_runs += [dict(FILTER_CAP=cap, FILTER_TILE=tile) for cap in (64, 256, 512, 1024)
-                                  for tile in (4, 8, 16) if (cap, tile) != (tf.FILTER_CAP, tf.FILTER_TILE)]
+                    knob_runs += [dict(cap=cap, tile=tile) for cap in (64, 256, 512, 1024)
+                                  for tile in (4, 8, 16) if (cap, tile) != (filter_cfg.cap, filter_cfg.tile)]
                 for spec in filter(None, (r.strip() for r in args.knob_runs.split(";"))):
                     knob_runs.append({n: int(v) for n, v in (kv.split("=") for kv in spec.split())})
                 base_graph = None
                 for knobs in knob_runs:
-                    saved = {n: getattr(tf, n) for n in knobs}
+                    try:
+                        run_cfg = config.replace(filter_cfg, **knobs)
+                    except TypeError as error:
+                        raise SystemExit(f"--knob-runs: {error}") from None
                     if knobs:
-                        for n, v in knobs.items():
-                            if not hasattr(tf, n):
-                                raise SystemExit(f"unknown knob {n}")
-                            setattr(tf, n, type(getattr(tf, n))(v))
-                        label = " ".join(f"{n.removeprefix('FILTER_').lower()}={v}" for n, v in knobs.items())
+                        label = " ".join(f"{n}={v}" for n, v in knobs.items())
                         chosen = settings if args.knob_runs else ["k50 p0.9"]
                         todo = [(f"triton {name} {label}",
                                  lambda inp, s=FILTER_SETTINGS[name]: op_call(inp, k, "triton",
@@ -228,7 +228,7 @@ def main():
                                 for name in chosen]
                     else:
                         todo = variants
-                    try:
+                    with config.use(verify_cfg, run_cfg):
                         for name, make in todo:
                             eager = time_eager(make(sets[0]))
                             graph = time_graph([make(s) for s in sets])
@@ -236,7 +236,7 @@ def main():
                                 base_graph = graph
                             row = dict(info, tag=args.tag, variant=name, B=batch, K=k, V=args.vocab, logits_dtype=dtype,
                                        draft_probs="fp32" if probs else "none", logit_std=scale,
-                                       filter_cap=tf.FILTER_CAP, filter_tile=tf.FILTER_TILE,
+                                       filter_cap=run_cfg.cap, filter_tile=run_cfg.tile,
                                        floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
                                        graph_over_floor=round(graph / floor, 3),
                                        vs_unfiltered=round(graph / base_graph, 3) if base_graph else float("nan"),
@@ -245,9 +245,6 @@ def main():
                             print(f"B={batch:4d} K={k} V={args.vocab} {dtype} draft={row['draft_probs']:4s} "
                                   f"std={scale:g} {name:34s} graph {graph:8.1f} us ({graph / floor:5.2f}x floor, "
                                   f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
-                    finally:
-                        for n, v in saved.items():
-                            setattr(tf, n, v)
                 if args.breakdown:
                     for name, make in variants:
                         if not name.startswith("triton"):

@@ -36,6 +36,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
+from specdec_kernels.triton import config as triton_config  # noqa: E402
 from torch_pipeline import flashinfer_pipeline, torch_pipeline  # noqa: E402
 
 # Anchors measured on one H200 (copy 4.26 TB/s), K=4, V=128256 -- ../shared/DESIGN.md §4.
@@ -288,4 +289,5 @@ def plot(rows, info, path):
 
 
 if __name__ == "__main__":
-    main()
+    with triton_config.use(*triton_config.from_env()):  # SPECDEC_TRITON_* knobs: benchmarks/README.md
+        main()

@@ -43,7 +43,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rejection_sample as chain_bench  # noqa: E402
 import specdec_kernels  # noqa: E402
-from specdec_kernels.triton_rejection_sample import _row_split  # noqa: E402
+from specdec_kernels.triton.common import row_split as _row_split  # noqa: E402
 
 K, VOCAB = 4, 128256
 CONFIGS = {"bf16": ("bf16", False), "fp32+draft": ("fp32", True)}
@@ -89,9 +89,9 @@ def _stream_max_kernel(logits_ptr, logits_stride, logit_rows, draft_ptr, draft_s
 
 def split_rows(n_cols: int, block: int, want_splits: int) -> tuple[int, int]:
     """(splits per row, columns per split) for about ``want_splits`` splits: whole blocks per
-    split, at most one split per block, no empty split (the op's Triton _row_split rule)."""
-    # With num_splits given, _row_split does not look at the device or the row count.
-    splits, blocks_per_split = _row_split(torch.device("cpu"), 1, triton.cdiv(n_cols, block), want_splits)
+    split, at most one split per block, no empty split (the op's Triton row_split rule)."""
+    # With num_splits given, row_split does not look at the device, the row count or the programs per SM.
+    splits, blocks_per_split = _row_split(torch.device("cpu"), 1, triton.cdiv(n_cols, block), want_splits, 4)
     return splits, blocks_per_split * block
 
 

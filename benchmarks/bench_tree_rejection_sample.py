@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
     DTYPES, copy_bandwidth, time_eager, time_graph, versions, write_csv)
-from specdec_kernels import ops  # noqa: E402
+from specdec_kernels import _ops as ops  # noqa: E402
+from specdec_kernels.triton import config as triton_config  # noqa: E402
 
 # Draft-tree shapes (parents, local indices, parent < child): EAGLE / Medusa-like trees that
 # branch most near the root.
@@ -199,4 +200,5 @@ def markdown_table(rows, info, bandwidth) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    with triton_config.use(*triton_config.from_env()):  # SPECDEC_TRITON_* knobs: benchmarks/README.md
+        main()

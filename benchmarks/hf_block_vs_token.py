@@ -34,7 +34,7 @@ from collections import defaultdict
 
 import torch
 
-from specdec_kernels import default_model, drafters, hf
+from specdec_kernels.hf import default_model, drafters, speculative as hf
 from specdec_kernels.reference import sanitize_logits
 
 METHODS = ("token", "block")
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         with open(args.summarize) as f:
             print(summarize([json.loads(line) for line in f if line.strip()]))
         return 0
-    torch.set_num_threads(1)  # batch-1 forwards of a 135M model: memory-bound (generate.py's default)
+    torch.set_num_threads(1)  # batch-1 forwards of a 135M model: memory-bound (the main job's default)
     target, tokenizer = default_model.load_gguf()
     prompts = [(p.kind, default_model.prompt_token_ids(tokenizer, p.text, True)) for p in default_model.BUILTIN_PROMPTS]
     recorder = ExpectationRecorder()

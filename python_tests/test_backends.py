@@ -52,50 +52,56 @@ def test_triton_interpreter_matches_reference(vocab, dtype, draft_probs, method)
 @pytest.mark.skipif("triton" not in gpu_backends(), reason="needs triton")
 def test_triton_programs_per_sm_rule():
     """The Triton chain kernel aims at 8 programs per SM (instead of 4) only for 4-byte logits with
-    draft probabilities from 640 rows on, unfiltered, and never when SPECDEC_TRITON_PROGRAMS_PER_SM
-    is set (docs/PERF.md: measured level or faster there on an H100, slower for B = 32 at K = 4 and
+    draft probabilities from 640 rows on, unfiltered, and a config's programs_per_sm replaces the
+    rule (DECISIONS.md: measured level or faster there on an H100, slower for B = 32 at K = 4 and
     for bf16)."""
-    from specdec_kernels import triton_rejection_sample as trs
-    if trs.PROGRAMS_PER_SM_SET:
-        pytest.skip("SPECDEC_TRITON_PROGRAMS_PER_SM is set: it replaces the rule")
+    from specdec_kernels.triton import chain as trs
+    from specdec_kernels.triton.config import VerifyConfig
     assert trs.wide_logit_rows(torch.float32, True, 640, False)
     assert not trs.wide_logit_rows(torch.float32, True, 639, False)  # B = 32 at K = 4 is 160 rows
     assert not trs.wide_logit_rows(torch.bfloat16, True, 640, False)
     assert not trs.wide_logit_rows(torch.float16, True, 640, False)
     assert not trs.wide_logit_rows(torch.float32, False, 640, False)
     assert not trs.wide_logit_rows(torch.float32, True, 640, True)  # filtered calls split as the threshold pass
+    assert trs.programs_per_sm(VerifyConfig(), torch.float32, True, 640, False) == trs.PROGRAMS_PER_SM_WIDE
+    assert trs.programs_per_sm(VerifyConfig(), torch.bfloat16, True, 640, False) == trs.PROGRAMS_PER_SM
+    assert trs.programs_per_sm(VerifyConfig(programs_per_sm=3), torch.float32, True, 640, False) == 3
 
 
 @pytest.mark.skipif("triton" not in gpu_backends(), reason="needs triton")
-def test_triton_l2_prefetch_rule(monkeypatch):
+def test_triton_l2_prefetch_rule():
     """The whole-tile loop's L2 prefetch (inline PTX, sm_90) is asked for only on CUDA devices and
-    only for 16-bit logits (docs/PERF.md: level with 4-byte logits); the interpreter never gets it."""
-    from specdec_kernels import triton_rejection_sample as trs
+    only for 16-bit logits (DECISIONS.md: level with 4-byte logits); the interpreter never gets it."""
+    from specdec_kernels.triton.common import prefetch_tiles
     cpu = torch.device("cpu")
-    assert trs.prefetch_tiles(cpu, torch.bfloat16) == 0
-    assert trs.prefetch_tiles(cpu, torch.float32) == 0
+    assert prefetch_tiles(cpu, torch.bfloat16, 2) == 0
+    assert prefetch_tiles(cpu, torch.float32, 2) == 0
     if HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9:
-        monkeypatch.setattr(trs, "PREFETCH", 2)
         gpu = torch.device("cuda")
-        assert trs.prefetch_tiles(gpu, torch.bfloat16) == 2
-        assert trs.prefetch_tiles(gpu, torch.float16) == 2
-        assert trs.prefetch_tiles(gpu, torch.float32) == 0
-        monkeypatch.setattr(trs, "PREFETCH", 0)
-        assert trs.prefetch_tiles(gpu, torch.bfloat16) == 0
+        assert prefetch_tiles(gpu, torch.bfloat16, 2) == 2
+        assert prefetch_tiles(gpu, torch.float16, 2) == 2
+        assert prefetch_tiles(gpu, torch.float32, 2) == 0
+        assert prefetch_tiles(gpu, torch.bfloat16, 0) == 0
 
 
-@pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
-                    reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
-@pytest.mark.parametrize("draft_probs", [False, True])
-def test_triton_interpreter_whole_chunk_tiles_match_reference(monkeypatch, draft_probs):
-    """SPECDEC_TRITON_HALVES=0 (tiles as one [GROUP, 256] tensor, the A/B's other side) still
-    gives the reference's tokens; the default (two half-chunk tensors) is the test above's."""
-    from specdec_kernels import triton_rejection_sample as trs
-    monkeypatch.setattr(trs, "HALVES", False)
-    for method in ("token", "block"):
-        args = random_batch(6, 4, 8193, dtype=torch.bfloat16, draft_probs=draft_probs, seed=31 + draft_probs)
-        rate, _ = _agreement("triton", args, method=method)
-        assert rate == 1.0
+def test_triton_config_from_env():
+    """Benchmarks build configs from SPECDEC_TRITON_* variables; a mistyped knob raises instead of
+    being ignored, and bad values name the field."""
+    pytest.importorskip("triton")
+    from specdec_kernels.triton import config
+    verify, filters = config.from_env({"SPECDEC_TRITON_MAXNREG": "0", "SPECDEC_TRITON_FILTER_CAP": "16",
+                                       "SPECDEC_TRITON_FILTER_KEPT_SET": "0", "PATH": "/bin"})
+    assert verify == config.VerifyConfig(maxnreg=0)
+    assert filters == config.FilterConfig(cap=16, kept_set=False)
+    with pytest.raises(ValueError, match="SPECDEC_TRITON_HALVES"):
+        config.from_env({"SPECDEC_TRITON_HALVES": "0"})
+    with pytest.raises(ValueError, match="group"):
+        config.VerifyConfig(group=6)
+    with pytest.raises(ValueError, match="cap"):
+        config.FilterConfig(cap=0)
+    with config.use(config.VerifyConfig(maxnreg=0)):
+        assert config.active() == (config.VerifyConfig(maxnreg=0), config.FilterConfig())
+    assert config.active() == (config.VerifyConfig(), config.FilterConfig())
 
 
 @pytest.mark.skipif(HAS_CUDA or not TRITON_ON_CPU or "triton" not in gpu_backends(),
@@ -103,7 +109,7 @@ def test_triton_interpreter_whole_chunk_tiles_match_reference(monkeypatch, draft
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 def test_triton_interpreter_splits_agree(num_splits):
     """Rows split over several programs combine to the same tokens (V = 3 sampling chunks)."""
-    from specdec_kernels.triton_rejection_sample import rejection_sample_triton
+    from specdec_kernels.triton.chain import rejection_sample_triton
     for draft_probs in (False, True):
         args = random_batch(4, 3, 9000, draft_probs=draft_probs, seed=num_splits)
         ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference")
@@ -120,7 +126,10 @@ def test_triton_interpreter_block_sums_every_residual_split(monkeypatch, program
     the padding of that sum, so splits were dropped: on an H200, request 41 of the V = 32000
     test batch (seed 1) kept 0 drafts instead of 1. Here the GPU's split counts are imposed
     on that request alone (1 phase-1 split and 2-16 residual splits)."""
-    from specdec_kernels import triton_rejection_sample as trs
+    import triton
+
+    from specdec_kernels.triton import chain as trs
+    from specdec_kernels.triton.common import row_split
     vocab = 32000
     logits, drafts, cu, probs, temp, seeds, offsets, max_len = random_batch(
         256, 4, vocab, draft_probs=True, seed=1000 + vocab % 997)
@@ -131,7 +140,8 @@ def test_triton_interpreter_block_sums_every_residual_split(monkeypatch, program
             seeds[b:b + 1], offsets[b:b + 1], max_len)
     ref_out, ref_num = specdec_kernels.rejection_sample(*args, backend="reference", method="block")
     assert int(ref_num[0]) == 1  # the case: one draft kept
-    monkeypatch.setattr(trs, "_target_programs", lambda device, programs_per_sm=None: programs)
+    monkeypatch.setattr(trs, "row_split", lambda device, rows, num_groups, num_splits, per_sm: row_split(
+        device, rows, num_groups, num_splits if num_splits is not None else triton.cdiv(programs, max(rows, 1)), per_sm))
     out, num = trs.rejection_sample_triton(*args, method="block")
     assert torch.equal(out, ref_out) and torch.equal(num, ref_num)
 
@@ -156,28 +166,21 @@ def test_gpu_backend_matches_reference(backend, vocab, dtype, draft_probs, metho
 @pytest.mark.parametrize("vocab", [32000, 128256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_triton_gpu_tile_and_table_variants_agree(monkeypatch, vocab, dtype, draft_probs):
+def test_triton_gpu_tile_and_table_variants_agree(vocab, dtype, draft_probs):
     """The Triton chain kernel's variants on one batch: chunk tables stored from registers by
     inline PTX (default) or by tl.store write the same values, and the L2 prefetch (default for
-    16-bit logits) changes no value, so the tokens are identical; whole-
-    chunk tiles (SPECDEC_TRITON_HALVES=0) sum in another order, so they agree but for near-ties."""
-    from specdec_kernels import triton_rejection_sample as trs
-    assert trs.asm_table_enabled(torch.device("cuda")) == trs.ASM_TABLE
+    16-bit logits) changes no value, so the tokens are identical."""
+    from specdec_kernels.triton import config
     outputs = {}
-    for halves, asm, prefetch in ((True, True, trs.PREFETCH), (True, False, 0), (False, True, trs.PREFETCH)):
-        monkeypatch.setattr(trs, "HALVES", halves)
-        monkeypatch.setattr(trs, "ASM_TABLE", asm)
-        monkeypatch.setattr(trs, "PREFETCH", prefetch)
-        for method in ("token", "block"):
-            args = random_batch(96, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=method == "token",
-                                seed=vocab % 89 + draft_probs, device="cuda")
-            outputs[halves, asm, method] = specdec_kernels.rejection_sample(*args, backend="triton", method=method)
+    for asm, prefetch in ((True, config.VerifyConfig().prefetch), (False, 0)):
+        with config.use(config.VerifyConfig(asm_table=asm, prefetch=prefetch)):
+            for method in ("token", "block"):
+                args = random_batch(96, 4, vocab, dtype=dtype, draft_probs=draft_probs, uniform=method == "token",
+                                    seed=vocab % 89 + draft_probs, device="cuda")
+                outputs[asm, method] = specdec_kernels.rejection_sample(*args, backend="triton", method=method)
     for method in ("token", "block"):
-        out, num = outputs[True, True, method]
-        assert torch.equal(out, outputs[True, False, method][0]) and torch.equal(num, outputs[True, False, method][1])
-        other_out, other_num = outputs[False, True, method]
-        same = (out == other_out).all(1) & (num == other_num)
-        assert same.float().mean().item() >= 0.98, f"{method}: {same.float().mean().item():.2%}"
+        out, num = outputs[True, method]
+        assert torch.equal(out, outputs[False, method][0]) and torch.equal(num, outputs[False, method][1])
 
 
 @pytest.mark.gpu
@@ -238,7 +241,7 @@ def test_uniform_shape_with_malformed_offsets_matches_reference(backend, device,
 def test_hostile_logits_match_reference(backend, device, dtype, uniform):
     """Rows the Triton stream's FMA form cannot take (NaN, +inf, logits whose max times k
     overflows either way, a chunk of only NaN and -inf): its splits are streamed again in the
-    exact form (``_stream_split``), and every token equals the reference's. Three seeds, so a
+    exact form (``stream.stream_split``), and every token equals the reference's. Three seeds, so a
     token that matched by chance does not hide a wrong row."""
     batch, k, vocab = 7, 2, 1000  # four sampling chunks a row
     for seed in range(3):

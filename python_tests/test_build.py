@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import specdec_kernels
-from specdec_kernels import ops
+from specdec_kernels import _ops as ops
 
 
 def needed_libraries(path: str) -> list[str]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_kernels.synthetic import MarkovPair, chain_batch_iid, first_two_tokens, iid_pair
+from specdec_kernels.testing import MarkovPair, chain_batch_iid, first_two_tokens, iid_pair
 from utils import HAS_CUDA, chi_square_pvalue, gpu_backends, sampler
 
 VOCAB = 6

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import specdec_kernels
-from specdec_kernels import ops
-from specdec_kernels.sampling_filters import apply_top_k_top_p, filter_keep_mask
-from specdec_kernels.synthetic import MarkovPair, first_tokens_tree, first_two_tokens
+from specdec_kernels import _ops as ops
+from specdec_kernels.reference.sampling_filters import apply_top_k_top_p, filter_keep_mask
+from specdec_kernels.testing import MarkovPair, first_tokens_tree, first_two_tokens
 from utils import HAS_CUDA, TRITON_ON_CPU, check_invariants, chi_square_pvalue, gpu_backends, random_batch
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -297,32 +297,29 @@ try:
     import triton
     import triton.language as tl
 
-    from specdec_kernels.triton_filters import _row_threshold
+    from specdec_kernels.triton.filters import _row_threshold
 
     @triton.jit
     def _row_threshold_kernel(logits_ptr, vocab, cmax_ptr, submax_ptr, scratch_ptr, buf_ptr, max_ptr, sum_ptr,
                               temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, thr_ptr, num_chunks, scratch_stride,
-                              CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr, PIVOT_TILE: tl.constexpr,
-                              PIVOT_ACCUMULATE: tl.constexpr):
+                              CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr, PIVOT_TILE: tl.constexpr):
         r = tl.program_id(0)
         k = 1.4426950408889634 / tl.load(temp_ptr + r)
         thr, _kept_n = _row_threshold(
             logits_ptr + r * vocab, cmax_ptr + r * num_chunks, submax_ptr + r * num_chunks * 8,
             scratch_ptr + r * scratch_stride, buf_ptr + r * CAP, tl.load(max_ptr + r), tl.load(sum_ptr + r), k,
             tl.load(top_k_ptr + r), tl.load(top_p_ptr + r), tl.load(min_p_ptr + r), vocab, num_chunks,
-            num_chunks * 8, CHUNKS_PAD, 256, CAP, 8, PIVOT_TILE, 16, PIVOT_ACCUMULATE, 32, 64, 64)
+            num_chunks * 8, CHUNKS_PAD, 256, CAP, 8, PIVOT_TILE, 16, 32, 64, 64)
         tl.store(thr_ptr + r, thr)
 except ImportError:  # triton is optional
     _row_threshold_kernel = None
 
 
-def row_threshold(logits, temperature, top_k, top_p, min_p, cap, accumulate=False):
+def row_threshold(logits, temperature, top_k, top_p, min_p, cap, pivot_tile=1):
     """The kernels' threshold search on rows [R, V] (float32), fed what the threshold pass's
     stream gives it: the maxima of every 256 and every 32 logits, the row max and sum. Returns
-    the thresholds (with the CAP-entry bracket buffer; the fine top-k path's sizes are the
-    package's defaults).
-    accumulate: the pivot passes' element-wise accumulation (one chunk per tile), else per-tile
-    reductions (two chunks per tile)."""
+    the thresholds (with the CAP-entry bracket buffer and pivot passes of ``pivot_tile`` chunks
+    a tile; the fine top-k path's sizes are the package's defaults)."""
     device = logits.device
     rows, vocab = logits.shape
     chunks = (vocab + 255) // 256
@@ -341,18 +338,18 @@ def row_threshold(logits, temperature, top_k, top_p, min_p, cap, accumulate=Fals
         padded[:, :vocab].contiguous(), vocab, m_c.contiguous(), m_sub.contiguous(),
         torch.zeros(rows * stride, dtype=torch.int32, device=device), torch.zeros(rows * cap, device=device),
         row_max, row_sum, temperature, top_k.to(torch.int32), top_p, min_p, thr, chunks, stride, CHUNKS_PAD=pad,
-        CAP=cap, PIVOT_TILE=1 if accumulate else 2, PIVOT_ACCUMULATE=accumulate)
+        CAP=cap, PIVOT_TILE=pivot_tile)
     return thr
 
 
 @pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
 @pytest.mark.parametrize("vocab", [1, 7, 256, 300, 3000])
 @pytest.mark.parametrize("cap", [2, 16, 512])
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
+@pytest.mark.parametrize("pivot_tile", [1, 2])
+def test_threshold_search_keeps_the_sorted_definition(vocab, cap, pivot_tile):
     """Kept set = the sort-based one exactly (thresholds are row values, no float near-ties on
     these rows); buffers from 2 (every row needs counting passes, and single-value brackets end
-    them) to 512; both ways of counting in a pivot pass."""
+    them) to 512; pivot passes of one and two chunks a tile."""
     device = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(vocab + cap)
     rows = 12
@@ -368,7 +365,7 @@ def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
     top_k[6], top_p[6], min_p[6] = 0, 1.0, 0.3                    # min-p alone
     top_k[1] = max(vocab - 1, 1)
     thr = row_threshold(logits.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
-                        min_p.to(device), cap, accumulate).cpu()
+                        min_p.to(device), cap, pivot_tile).cpu()
     clean = torch.nan_to_num(logits, nan=float("-inf"))
     keep = filter_keep_mask(clean.double(), 1 / temperature.double(), top_k, top_p.double(), min_p.double())
     finite = clean > float("-inf")  # -inf tokens have no mass, kept or not
@@ -380,18 +377,18 @@ def test_threshold_search_keeps_the_sorted_definition(vocab, cap, accumulate):
 @pytest.mark.skipif(not (INTERPRETER or HAS_CUDA and "triton" in gpu_backends()), reason="needs Triton")
 @pytest.mark.parametrize("vocab", [700, 8193])
 @pytest.mark.parametrize("stats_programs,stats_group", [(0, 8), (64, 8), (0, 16)])  # 64: 5 splits of 1 tile
-def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, stats_group, monkeypatch):
-    """The whole threshold pass (stats stream, then search; triton_filters.launch_row_thresholds)
+def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, stats_group):
+    """The whole threshold pass (stats stream, then search; triton.filters.launch_row_thresholds)
     on a ragged chain batch: every filtered row's threshold keeps exactly the sort-based set,
     its chunk maxima are the row's, and the slots of greedy requests, unfiltered requests and
     padding read -inf. Covers top-p alone (the search program's own row sum), the fine top-k
     path (k <= 64) and the chunk-level one (k > 64); the stats stream split as the verification
-    kernel's (2 splits) or by FILTER_STATS_PROGRAMS_PER_SM, in tiles of 8 or 16 chunks."""
-    from specdec_kernels import triton_filters as tf
-    monkeypatch.setattr(tf, "FILTER_STATS_PROGRAMS_PER_SM", stats_programs)
-    monkeypatch.setattr(tf, "FILTER_STATS_GROUP", stats_group)
-    from specdec_kernels.philox import SAMPLE_CHUNK
-    from specdec_kernels.triton_rejection_sample import GROUP, NUM_WARPS
+    kernel's (2 splits) or by the config's stats_programs_per_sm, in tiles of 8 or 16 chunks."""
+    from specdec_kernels.reference.philox import SAMPLE_CHUNK
+    from specdec_kernels.triton import filters as tf
+    from specdec_kernels.triton.config import FilterConfig, VerifyConfig
+    cfg = FilterConfig(stats_programs_per_sm=stats_programs, stats_group=stats_group)
+    GROUP, NUM_WARPS = VerifyConfig().group, VerifyConfig().num_warps
     device = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(vocab)
     n = torch.tensor([2, 0, 1, 2, 2, 1])
@@ -408,7 +405,7 @@ def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, stats
     num_groups = (num_chunks + GROUP - 1) // GROUP
     groups_per_split = (num_groups + 1) // 2
     num_splits = (num_groups + groups_per_split - 1) // groups_per_split
-    f_n, i_n = tf.threshold_workspace_sizes(slots, num_groups, num_chunks)
+    f_n, i_n = tf.threshold_workspace_sizes(slots, num_groups, num_chunks, cfg)
     f32 = torch.full((f_n,), float("nan"), device=device)  # nothing may be read before written
     i32 = torch.zeros(i_n, dtype=torch.int32, device=device)
     drafts = torch.randint(0, vocab, (int(n.sum()),), generator=g, dtype=torch.int32)
@@ -416,7 +413,7 @@ def test_threshold_pass_keeps_the_sorted_definition(vocab, stats_programs, stats
     res = tf.launch_row_thresholds(
         f32, i32, logits.to(device), cu.to(device), temperature.to(device), top_k.to(device), top_p.to(device),
         min_p.to(device), tree=False, num_requests=B, slots=slots, max_rows=L + 1, num_splits=num_splits,
-        num_groups=num_groups, num_warps=NUM_WARPS, excluded_drafts=drafts.to(device))
+        num_groups=num_groups, num_warps=NUM_WARPS, excluded_drafts=drafts.to(device), config=cfg)
     thr, cmax = res.thr.cpu(), res.cmax.cpu().view(slots, num_chunks)
     kept_w, kept_m, kept_z = res.kept_w.cpu().view(slots, num_chunks), res.kept_m.cpu(), res.kept_z.cpu()
     padded = torch.full((rows, num_chunks * SAMPLE_CHUNK), float("-inf"))
@@ -464,20 +461,25 @@ def _agree(backend, device, args, filters, method="token"):
     return same.float().mean().item()
 
 
+def _use_filter_config(**changes):
+    """Calls inside the block launch the threshold pass with these FilterConfig changes."""
+    from specdec_kernels.triton import config
+    return config.use(filters=config.replace(config.active()[1], **changes))
+
+
 @pytest.fixture
-def small_bracket(monkeypatch):
+def small_bracket():
     """A bracket buffer of 16 tokens: most rows then need counting passes before the sort."""
-    from specdec_kernels import triton_filters
-    monkeypatch.setattr(triton_filters, "FILTER_CAP", 16)
+    with _use_filter_config(cap=16):
+        yield
 
 
 @pytest.fixture(params=[True, False], ids=["kept_set", "streamed"])
-def kept_set(request, monkeypatch):
+def kept_set(request):
     """Rows whose kept set the threshold search held verified from it (the default), or every
-    filtered row streamed again (SPECDEC_TRITON_FILTER_KEPT_SET=0)."""
-    from specdec_kernels import triton_filters
-    monkeypatch.setattr(triton_filters, "FILTER_KEPT_SET", request.param)
-    return request.param
+    filtered row streamed again (FilterConfig(kept_set=False))."""
+    with _use_filter_config(kept_set=request.param):
+        yield request.param
 
 
 @interpreter_only
@@ -540,7 +542,7 @@ def test_triton_interpreter_skips_tiles_without_kept_chunks(kept_set, draft_prob
     (kept_set) do not read the row at all; request 3 has min-p alone (never from a kept set: its
     rows are streamed either way); requests 4..7 have every filter off (their rows take the plain
     loop of a filtered call)."""
-    from specdec_kernels.philox import SAMPLE_CHUNK
+    from specdec_kernels.reference.philox import SAMPLE_CHUNK
     vocab = 8193
     args = random_batch(8, 3, vocab, draft_probs=draft_probs, seed=77 + draft_probs)
     args = args[:4] + (torch.tensor([1.0, 0.8, 1.2, 0.9, 1.0, 0.7, 1.1, 1.3]),) + args[5:]  # none greedy
@@ -786,12 +788,11 @@ def test_gpu_cuda_filters_agree_with_reference(vocab, dtype, draft_probs, method
 @pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built() or "triton" not in gpu_backends(),
                     reason="needs the CUDA kernel and Triton (its threshold pass) on a GPU")
 @pytest.mark.parametrize("draft_probs", [False, True])
-def test_gpu_cuda_filters_streamed_agree_with_reference(monkeypatch, draft_probs):
-    """With SPECDEC_TRITON_FILTER_KEPT_SET=0 the pass writes no kept-set record: the CUDA kernel
+def test_gpu_cuda_filters_streamed_agree_with_reference(draft_probs):
+    """With FilterConfig(kept_set=False) the pass writes no kept-set record: the CUDA kernel
     streams every filtered row (the path rows the search's buffer did not hold take)."""
-    from specdec_kernels import triton_filters
-    monkeypatch.setattr(triton_filters, "FILTER_KEPT_SET", False)
-    test_gpu_triton_agrees_with_reference(128256, torch.bfloat16, draft_probs, "token", backend="cuda")
+    with _use_filter_config(kept_set=False):
+        test_gpu_triton_agrees_with_reference(128256, torch.bfloat16, draft_probs, "token", backend="cuda")
 
 
 @pytest.mark.gpu

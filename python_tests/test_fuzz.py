@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specdec_kernels
-from specdec_kernels import ops
+from specdec_kernels import _ops as ops
 from utils import HAS_CUDA, TRITON_ON_CPU, check_invariants, gpu_backends
 
 if HAS_CUDA:

@@ -16,8 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from specdec_kernels import hf  # noqa: E402
-from specdec_kernels.sampling_filters import apply_top_k_top_p  # noqa: E402
+from specdec_kernels.hf import speculative as hf  # noqa: E402
+from specdec_kernels.reference.sampling_filters import apply_top_k_top_p  # noqa: E402
 from utils import chi_square_pvalue  # noqa: E402
 
 VOCAB = 16
@@ -256,7 +256,7 @@ def test_generate_cli(models, tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
-    from specdec_kernels import generate
+    from specdec_kernels.hf import cli as generate
 
     target, draft = models
     words = ["[PAD]", "<s>"] + [f"w{i}" for i in range(2, VOCAB - 1)] + ["</s>"]  # </s> = EOS = 15

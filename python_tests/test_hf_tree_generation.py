@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.hf import speculative as hf  # noqa: E402
 from specdec_kernels.tree_utils import check_tree  # noqa: E402
 from test_hf_generation import (  # noqa: E402,F401  (models and one_thread are fixtures)
     EOS,

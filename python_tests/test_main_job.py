@@ -29,7 +29,7 @@ if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("acceler
     pytest.skip("loading the GGUF model needs gguf and accelerate (pip install gguf accelerate)",
                 allow_module_level=True)
 
-from specdec_kernels import default_model, drafters, generate, hf  # noqa: E402
+from specdec_kernels.hf import cli as generate, default_model, drafters, speculative as hf  # noqa: E402
 from utils import chi_square_pvalue  # noqa: E402
 
 try:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specdec_kernels.philox import philox4x32, philox_words, STREAM_SAMPLE
+from specdec_kernels.reference.philox import philox4x32, philox_words, STREAM_SAMPLE
 from utils import HAS_CUDA, TRITON_ON_CPU
 
 # Known-answer vectors of Philox4x32-10 from Random123 (kat_vectors).
@@ -32,7 +32,7 @@ def test_philox_words_key_and_counter_layout():
 try:
     import triton
     import triton.language as tl
-    from specdec_kernels.triton_rejection_sample import _philox_words
+    from specdec_kernels.triton.common import philox_words as _philox_words
 
     @triton.jit
     def _philox_test_kernel(seed_ptr, off_ptr, node_ptr, lane_ptr, out_ptr, BLOCK: tl.constexpr):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import specdec_kernels
-from specdec_kernels import ops
-from specdec_kernels.synthetic import MarkovPair, first_tokens_tree
+from specdec_kernels import _ops as ops
+from specdec_kernels.testing import MarkovPair, first_tokens_tree
 from utils import HAS_CUDA, TRITON_ON_CPU, chi_square_pvalue, gpu_backends
 
 VOCAB = 4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specdec_kernels
-from specdec_kernels import ops
+from specdec_kernels import _ops as ops
 from utils import HAS_CUDA, gpu_backends
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]

@@ -15,7 +15,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels.integrations import vllm as sv
-from specdec_kernels.sampling_filters import apply_top_k_top_p
+from specdec_kernels.reference.sampling_filters import apply_top_k_top_p
 from utils import check_invariants, chi_square_pvalue, random_batch
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -361,7 +361,7 @@ def test_core_imports_without_transformers():
     without it, and specdec_kernels.hf says what to install."""
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "import specdec_kernels, specdec_kernels.sampling_filters, specdec_kernels.integrations.vllm\n"
+        "import specdec_kernels, specdec_kernels.reference.sampling_filters, specdec_kernels.integrations.vllm\n"
         "try:\n    import specdec_kernels.hf\nexcept ImportError as e:\n    print('hf:', e)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

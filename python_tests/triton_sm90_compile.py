@@ -10,8 +10,7 @@ functions.
 
     python python_tests/triton_sm90_compile.py KERNEL [i/n]
 
-KERNEL: chain, tree, filters_stats, filters_threshold, vocab_parallel, vocab_parallel_tree or
-vocab_parallel_tree_fused. i/n: only every n-th variant from the i-th, to split a slow kernel
+KERNEL: chain, tree, filters_stats, filters_threshold, vocab_parallel or vocab_parallel_tree_fused. i/n: only every n-th variant from the i-th, to split a slow kernel
 over several tests.
 """
 from __future__ import annotations
@@ -22,21 +21,18 @@ import os
 import sys
 
 KERNELS = {
-    "chain": ("specdec_kernels.triton_rejection_sample", ["_rejection_sample_kernel"]),
-    "tree": ("specdec_kernels.triton_tree_rejection_sample", ["_tree_rejection_sample_kernel"]),
+    "chain": ("specdec_kernels.triton.chain", ["_rejection_sample_kernel"]),
+    "tree": ("specdec_kernels.triton.tree", ["_tree_rejection_sample_kernel"]),
     # The threshold pass's two kernels apart: its threshold kernel alone takes ~7 min on a 2-core
     # machine (18 variants), so test_triton_compile.py compiles it in two shards.
-    "filters_stats": ("specdec_kernels.triton_filters", ["_filter_stats_kernel"]),
-    "filters_threshold": ("specdec_kernels.triton_filters", ["_filter_threshold_kernel"]),
-    "vocab_parallel": ("specdec_kernels.triton_vocab_parallel",
+    "filters_stats": ("specdec_kernels.triton.filters", ["_filter_stats_kernel"]),
+    "filters_threshold": ("specdec_kernels.triton.filters", ["_filter_threshold_kernel"]),
+    "vocab_parallel": ("specdec_kernels.triton.vocab_parallel",
                        ["_chain_local_stats_kernel", "_chain_final_totals_kernel", "_chunk_race_kernel",
-                        "_chunk_pick_kernel", "_chain_finish_kernel"]),
-    "vocab_parallel_tree_fused": ("specdec_kernels.triton_vocab_parallel",
+                        "_chunk_pick_kernel", "_chain_finish_kernel", "_philox01_kernel"]),
+    "vocab_parallel_tree_fused": ("specdec_kernels.triton.vocab_parallel",
                                   ["_tree_local_stats_kernel", "_tree_residual_mass_kernel",
                                    "_tree_final_totals_kernel", "_tree_chunk_pick_kernel", "_tree_finish_kernel"]),
-    "vocab_parallel_tree": ("specdec_kernels.distributed",
-                            ["_philox01_kernel", "_row_stats_kernel", "_residual_mass_kernel",
-                             "_final_totals_kernel"]),
 }
 LOGITS_TYPES = ("*bf16", "*fp16", "*fp32")
 
@@ -59,17 +55,19 @@ def pointer_type(module, name: str, logits_type: str, probs_type: str) -> str:
 
 
 def constexpr_value(module, name: str):
+    """A constexpr's shipped value: the module's constant, the default configs' field, or a size."""
+    from specdec_kernels.reference.philox import SAMPLE_CHUNK
+    from specdec_kernels.triton.common import CU_BLOCK
+    from specdec_kernels.triton.config import FilterConfig, VerifyConfig
     if hasattr(module, name):
         return getattr(module, name)
-    if name == "CHUNK":
-        return module.SAMPLE_CHUNK
-    if hasattr(module, "FILTER_" + name):  # the threshold pass's knobs (triton_filters.py)
+    if hasattr(module, "FILTER_" + name):  # the threshold pass's fixed sizes (triton/filters.py)
         return getattr(module, "FILTER_" + name)
-    chain = importlib.import_module("specdec_kernels.triton_rejection_sample")
-    if hasattr(chain, name):  # the chain kernel's knobs (the tree kernel streams with its _stream_split)
-        return getattr(chain, name)
-    if name in ("GROUP", "CU_BLOCK"):
-        return {"GROUP": 8, "CU_BLOCK": 1024}[name]
+    shipped = {"CHUNK": SAMPLE_CHUNK, "CU_BLOCK": CU_BLOCK, "GROUP": VerifyConfig().group,
+               "PREFETCH": VerifyConfig().prefetch, "CAP": FilterConfig().cap, "TILE": FilterConfig().tile,
+               "PIVOT_TILE": FilterConfig().pivot_tile, "FAST_EXP": True}
+    if name in shipped:
+        return shipped[name]
     if name == "CHUNKS_PAD":
         return 512
     if name.endswith("_PAD"):
@@ -81,7 +79,7 @@ def flags(names: list[str]) -> list[str]:
     """Boolean constexprs: HAS_* switches, *_VERIFY modes, the threshold pass's switches and the
     chain kernel's launch-shape and A/B switches."""
     return [n for n in names if n.startswith("HAS_") or n.endswith("_VERIFY")
-            or n in ("TREE", "KEPT_SET", "EXCLUDE_DRAFT", "UNIFORM", "USE_PDL", "HALVES", "ASM_TABLE")]
+            or n in ("TREE", "KEPT_SET", "EXCLUDE_DRAFT", "UNIFORM", "USE_PDL", "ASM_TABLE")]
 
 
 def variants(flag_names: list[str]):
@@ -132,7 +130,7 @@ def compile_kernel(which: str, shard: str = "0/1") -> int:
                 if values[n] is None:
                     values[n] = constexpr_value(module, n)
             try:
-                compile_variant(module, fn, values, logits_type, getattr(module, "NUM_WARPS", 4))
+                compile_variant(module, fn, values, logits_type, 4)
             except Exception as error:  # report the variant, then fail
                 print(f"FAILED {which} {kernel} {logits_type} {setting}: {type(error).__name__}: {error}",
                       file=sys.stderr)

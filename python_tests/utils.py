@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 import specdec_kernels
-from specdec_kernels import ops
+from specdec_kernels import _ops as ops
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"

@@ -41,7 +41,7 @@ for dtype in (torch.float32, torch.bfloat16):
         print(f"dtype={dtype} seed={seed}: {len(bad)} of 256 disagree; deterministic over {a.repeats} runs: {det}")
         extra = ""
         if a.backend == "triton" and bad:
-            from specdec_kernels.triton_rejection_sample import rejection_sample_triton
+            from specdec_kernels.triton.chain import rejection_sample_triton
             o1, n1 = rejection_sample_triton(*args, num_splits=1, method=a.method)
             o1, n1 = o1.cpu(), n1.cpu()
             extra = "num_splits=1 -> " + ", ".join(

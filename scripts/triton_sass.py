@@ -58,18 +58,18 @@ def _gpu_launch(module, kernel: str, sms: int):
     """Within: ``module.kernel`` records its launch (a ``_Capture``, yielded), and the launcher
     rules that ask the device answer as on an sm_90 GPU of ``sms`` SMs, so a launcher run on CPU
     tensors passes the kernel what it would there: the split's program target, programmatic
-    dependent launch, the L2 prefetch (``prefetch_tiles`` asks ``_sm90``) and the chunk tables
-    stored from registers (``asm_table_enabled``, looked up in ``module``: the tree module imports
-    it by name)."""
-    from specdec_kernels import triton_rejection_sample as chain
+    dependent launch, the L2 prefetch (``common.prefetch_tiles`` asks ``common.sm90``) and the
+    chunk tables stored from registers (``asm_table_enabled``, looked up in ``module``, which
+    imports it by name)."""
+    from specdec_kernels.triton import common
 
     capture = _Capture()
     stand_ins = [(module, kernel, capture),
-                 (chain, "_target_programs",
-                  lambda device, programs_per_sm=chain.PROGRAMS_PER_SM: programs_per_sm * sms),
-                 (chain, "pdl_enabled", lambda device: True),
-                 (chain, "_sm90", lambda device: True),
-                 (module, "asm_table_enabled", lambda device: chain.ASM_TABLE)]
+                 (common, "target_programs", lambda device, programs_per_sm: programs_per_sm * sms),
+                 (common, "sm90", lambda device: True),
+                 (module, "asm_table_enabled", lambda device, asm_table=True: asm_table)]
+    if hasattr(module, "pdl_enabled"):
+        stand_ins.append((module, "pdl_enabled", lambda device: True))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
     for owner, name, value in stand_ins:
         setattr(owner, name, value)
@@ -87,7 +87,7 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
     launch captured, not made (``_gpu_launch``)."""
     import torch
     from bench_rejection_sample import DTYPES
-    from specdec_kernels import triton_rejection_sample as module
+    from specdec_kernels.triton import chain as module
 
     dtype = DTYPES[logits]
     with _gpu_launch(module, "_rejection_sample_kernel", sms) as capture:
@@ -105,7 +105,7 @@ def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_pr
     import torch
     from bench_rejection_sample import DTYPES
     from bench_tree_rejection_sample import TREES, tree_depth
-    from specdec_kernels import triton_tree_rejection_sample as module
+    from specdec_kernels.triton import tree as module
 
     if nodes not in TREES:
         raise SystemExit(f"--tree: the tree benchmark's shapes have {sorted(TREES)} nodes, not {nodes}")
@@ -129,8 +129,8 @@ def compile_kernel(args, kwargs, overrides: dict, tree: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
-    from specdec_kernels import triton_rejection_sample as module
-    from specdec_kernels import triton_tree_rejection_sample as tree_module
+    from specdec_kernels.triton import chain as module
+    from specdec_kernels.triton import tree as tree_module
 
     fn = tree_module._tree_rejection_sample_kernel if tree else module._rejection_sample_kernel
     kwargs = {**kwargs, **overrides}

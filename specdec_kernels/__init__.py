@@ -6,7 +6,7 @@ validate, pick a backend and document the arguments; ``tree_utils`` builds the t
 attention mask, position ids, KV-cache indices and EAGLE-style trees. See README.md and
 docs/ALGORITHM.md.
 """
-from . import ops  # noqa: F401  (registers the ops' Python kernels)
+from . import _ops  # noqa: F401  (registers the ops' Python kernels)
 from . import tree_utils  # noqa: F401
 from .backends import available_backends
 from .chain import rejection_sample, rejection_sample_padded

@@ -13,20 +13,20 @@ import os
 
 import torch
 
-from . import ops
+from . import _ops
 
 BACKENDS = ("auto", "cuda", "triton", "reference")
 
 
-def available_backends(op: str = ops.REJECTION_SAMPLE) -> dict[str, str]:
+def available_backends(op: str = _ops.REJECTION_SAMPLE) -> dict[str, str]:
     """Each backend of ``op`` ("specdec::rejection_sample" or "specdec::tree_rejection_sample")
     with "available" or the reason it is not."""
     status = {"reference": "available"}
-    if ops.rejection_sample_triton is None:
-        status["triton"] = f"not installed ({ops.TRITON_IMPORT_ERROR})"
+    if _ops.rejection_sample_triton is None:
+        status["triton"] = f"not installed ({_ops.TRITON_IMPORT_ERROR})"
     else:
         status["triton"] = "available"
-    if ops.cuda_kernel_built(op):
+    if _ops.cuda_kernel_built(op):
         status["cuda"] = "available"
     else:
         status["cuda"] = ("not built (specdec_kernels._C was compiled without CUDA: install with a CUDA "
@@ -34,17 +34,17 @@ def available_backends(op: str = ops.REJECTION_SAMPLE) -> dict[str, str]:
     return status
 
 
-def resolve_backend(backend: str | None, device: torch.device, op: str = ops.REJECTION_SAMPLE) -> str:
+def resolve_backend(backend: str | None, device: torch.device, op: str = _ops.REJECTION_SAMPLE) -> str:
     backend = backend or os.environ.get("SPECDEC_BACKEND") or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cuda":
         if device.type != "cuda":
             raise ValueError(f"backend 'cuda' needs CUDA tensors, got tensors on {device}")
-        if not ops.cuda_kernel_built(op):
+        if not _ops.cuda_kernel_built(op):
             raise RuntimeError(f"backend 'cuda' of {op} is {available_backends(op)['cuda']}")
     if backend == "triton":
-        if ops.rejection_sample_triton is None:
+        if _ops.rejection_sample_triton is None:
             raise RuntimeError(f"backend 'triton' is {available_backends()['triton']}")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

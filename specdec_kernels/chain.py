@@ -5,10 +5,11 @@ import os
 
 import torch
 
-from . import ops
+from . import _ops
 from .backends import resolve_backend
 from .checks import check_rejection_sample_contents, check_rejection_sample_inputs
 from .reference import rejection_sample_reference
+from .reference.philox import draw_seeds
 
 
 def rejection_sample(
@@ -107,14 +108,14 @@ def rejection_sample(
     backend = resolve_backend(backend, device)
     filtered = top_k is not None or top_p is not None or min_p is not None
     if seeds is None:
-        seeds = ops.draw_seeds(cu_num_draft_tokens.shape[0] - 1, device)
+        seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, device)
     args = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
             offsets, max_spec_len)
     if backend == "reference":
         return rejection_sample_reference(*args, method=method, top_k=top_k, top_p=top_p, min_p=min_p)
     if backend == "triton":
-        return ops.triton_call(*args, method, top_k, top_p, min_p)
-    if filtered and device.type == "cuda" and ops.cuda_kernel_built():
+        return _ops.triton_call(*args, method, top_k, top_p, min_p)
+    if filtered and device.type == "cuda" and _ops.cuda_kernel_built():
         if backend == "cuda":
             # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
             return torch.ops.specdec._rejection_sample_cuda_filters(*args, method, top_k, top_p, min_p)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .tree_utils import check_tree
+
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -56,9 +58,9 @@ def check_rejection_sample_inputs(
             f"cu_num_draft_tokens has B = {batch} requests: expected N + B = {num_drafts + batch} "
             "rows (each request's draft rows, then its bonus row)")
     _check_draft_probs(draft_probs, num_drafts, vocab, device)
-    _check_request_params(temperature, seeds, offsets, batch, device)
+    check_request_params(temperature, seeds, offsets, batch, device)
     _check_filters(top_k, top_p, min_p, batch, device)
-    _check_width("max_spec_len", max_spec_len)
+    check_width("max_spec_len", max_spec_len)
 
 
 def _check_draft_probs(draft_probs, num_rows: int, vocab: int, device) -> None:
@@ -69,7 +71,7 @@ def _check_draft_probs(draft_probs, num_rows: int, vocab: int, device) -> None:
                 f"draft_probs must have shape (N, V) = ({num_rows}, {vocab}), got {tuple(draft_probs.shape)}")
 
 
-def _check_request_params(temperature, seeds, offsets, batch: int, device) -> None:
+def check_request_params(temperature, seeds, offsets, batch: int, device) -> None:
     for name, t, dtypes in (("temperature", temperature, (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
                             ("seeds", seeds, INDEX_DTYPES), ("offsets", offsets, INDEX_DTYPES)):
         if t is not None:
@@ -110,7 +112,7 @@ def _check_filter_values(top_k, top_p, min_p) -> None:
             raise ValueError(f"{name}[{b}] = {value} must be {what}")
 
 
-def _check_width(name: str, value) -> None:
+def check_width(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
@@ -138,9 +140,9 @@ def check_tree_rejection_sample_inputs(
         raise ValueError("cu_num_nodes must have B + 1 >= 1 entries (a leading 0)")
     batch = cu_num_nodes.shape[0] - 1
     _check_draft_probs(draft_probs, num_nodes, vocab, device)
-    _check_request_params(temperature, seeds, offsets, batch, device)
+    check_request_params(temperature, seeds, offsets, batch, device)
     _check_filters(top_k, top_p, min_p, batch, device)
-    _check_width("max_depth", max_depth)
+    check_width("max_depth", max_depth)
 
 
 def check_rejection_sample_contents(
@@ -183,7 +185,6 @@ def check_tree_rejection_sample_contents(
     top_k=None, top_p=None, min_p=None,
 ) -> None:
     """Value checks of the tree op (synchronizes). Call after the metadata checks."""
-    from .tree_utils import check_tree
 
     check_tree(parents, tokens, cu_num_nodes, vocab_size=target_logits.shape[1],
                deterministic=draft_probs is None, max_depth=max_depth)

@@ -1,7 +1,7 @@
 """The synthetic demo: ``python -m specdec_kernels.demo``.
 
 Runs the verify op on synthetic target/draft pairs whose acceptance rate a is known exactly
-(specdec_kernels.synthetic.iid_pair) and prints, side by side, the measured tokens per step
+(specdec_kernels.testing.iid_pair) and prints, side by side, the measured tokens per step
 and the theory (1 - a^(K+1)) / (1 - a), and the total-variation distance between the
 emitted tokens and the target distribution next to the distance an exact sampler would show
 with as many samples. Uses the fused GPU kernel when a GPU is present, the CPU reference
@@ -16,7 +16,7 @@ import torch
 
 from . import available_backends, rejection_sample
 from .backends import resolve_backend
-from .synthetic import chain_batch_iid, iid_pair
+from .testing import chain_batch_iid, iid_pair
 
 
 def _tv(counts: torch.Tensor, q: torch.Tensor) -> float:
@@ -33,8 +33,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(None, device)
     if device.type == "cuda":
-        from . import ops
-        name = "cuda" if backend in ("auto", "cuda") and ops.cuda_kernel_built() else \
+        name = "cuda" if backend in ("auto", "cuda") and available_backends()["cuda"] == "available" else \
             "triton" if backend in ("auto", "triton") else backend
         where = f"the fused {name} kernel on {torch.cuda.get_device_name(device)}"
     else:

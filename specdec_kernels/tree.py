@@ -5,10 +5,11 @@ import os
 
 import torch
 
-from . import ops
+from . import _ops
 from .backends import resolve_backend
 from .checks import check_tree_rejection_sample_contents, check_tree_rejection_sample_inputs
 from .reference import tree_rejection_sample_reference
+from .reference.philox import draw_seeds
 
 
 def tree_rejection_sample(
@@ -87,16 +88,16 @@ def tree_rejection_sample(
         check_tree_rejection_sample_contents(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                              temperature, max_depth, top_k, top_p, min_p)
     device = target_logits.device
-    backend = resolve_backend(backend, device, ops.TREE_REJECTION_SAMPLE)
+    backend = resolve_backend(backend, device, _ops.TREE_REJECTION_SAMPLE)
     filtered = top_k is not None or top_p is not None or min_p is not None
     if seeds is None:
-        seeds = ops.draw_seeds(cu_num_nodes.shape[0] - 1, device)
+        seeds = draw_seeds(cu_num_nodes.shape[0] - 1, device)
     args = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth)
     if backend == "reference":
         return tree_rejection_sample_reference(*args, top_k=top_k, top_p=top_p, min_p=min_p)
     if backend == "triton":
-        return ops.tree_triton_call(*args, top_k, top_p, min_p)
-    if filtered and device.type == "cuda" and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
+        return _ops.tree_triton_call(*args, top_k, top_p, min_p)
+    if filtered and device.type == "cuda" and _ops.cuda_kernel_built(_ops.TREE_REJECTION_SAMPLE):
         if backend == "cuda":
             # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
             return torch.ops.specdec._tree_rejection_sample_cuda_filters(*args, top_k, top_p, min_p)

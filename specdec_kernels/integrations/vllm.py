@@ -30,8 +30,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .. import ops
 from ..chain import rejection_sample as _specdec_rejection_sample
+from ..reference.philox import draw_seeds
 
 # vLLM's value for the unused slots of the output, and its dtype (int32, as vLLM's
 # SamplerOutput.sampled_token_ids); the op uses the same.
@@ -130,7 +130,7 @@ def request_seeds(generators: dict[int, torch.Generator] | None, batch: int, dev
     -------
     Tensor [B] int64
     """
-    seeds = ops.draw_seeds(batch, device)
+    seeds = draw_seeds(batch, device)
     for index, generator in (generators or {}).items():
         if not 0 <= index < batch:
             raise ValueError(f"sampling_metadata.generators has request index {index}, outside [0, {batch})")

@@ -62,10 +62,10 @@ except ImportError as e:  # transformers is an optional extra
     raise ImportError("specdec_kernels.hf needs transformers: pip install 'specdec_kernels[hf]' "
                       "(or pip install transformers)") from e
 
-from .chain import rejection_sample
-from .sampling_filters import apply_top_k_top_p
-from .tree import tree_rejection_sample
-from .tree_utils import build_eagle_tree, tree_attention_mask, tree_position_ids
+from ..chain import rejection_sample
+from ..reference.sampling_filters import apply_top_k_top_p
+from ..tree import tree_rejection_sample
+from ..tree_utils import build_eagle_tree, tree_attention_mask, tree_position_ids
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 

@@ -17,7 +17,7 @@ PHILOX_W1 = 0xBB67AE85
 MASK32 = 0xFFFFFFFF
 
 # Streams (bits 24..31 of counter word 1). Keep in sync with csrc/kernels/philox.cuh and
-# specdec_kernels/triton_rejection_sample.py.
+# specdec_kernels/triton/common.py.
 STREAM_ACCEPT = 0
 STREAM_SAMPLE = 1
 NODE_BITS = 24
@@ -86,3 +86,8 @@ def open_uniform_from_word(word: torch.Tensor, dtype: torch.dtype = torch.float6
 # the words of counter lane c (docs/ALGORITHM.md, "Sampling a row"). 256 = one warp's 16-byte
 # loads of 16-bit logits; small chunks also keep float near-ties of the in-chunk inverse CDF rare.
 SAMPLE_CHUNK = 256
+
+
+def draw_seeds(batch: int, device: torch.device) -> torch.Tensor:
+    """Per-request seeds from torch's generator on ``device`` (one small RNG launch)."""
+    return torch.randint(-(2**63), 2**63 - 1, (batch,), dtype=torch.int64, device=device)

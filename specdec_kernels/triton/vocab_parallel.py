@@ -1,4 +1,4 @@
-"""Fused Triton kernels of the vocabulary-parallel verification (``distributed.py``): chains,
+"""Fused Triton kernels of the vocabulary-parallel verification (``specdec_kernels.distributed``): chains,
 then trees.
 
 ``rejection_sample_vocab_parallel`` runs four collectives; between them the local work is
@@ -19,7 +19,7 @@ probabilities -- the residual and q, sampled with the same noise -- else B):
 
 Every program that needs the accept decision of its request recomputes it from the
 gathered statistics (a few dozen numbers and L Philox draws), so no launch is spent on it.
-The arithmetic is the torch path's (``distributed.py``): the same formulas in float32, the
+The arithmetic is the torch path's (``specdec_kernels.distributed``): the same formulas in float32, the
 race scores in float64, the same random streams, so the tokens are the same.
 
 ``tree_rejection_sample_vocab_parallel`` (N nodes, D = max_depth, R = max_children - 1
@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import SAMPLE_CHUNK
-from .triton_rejection_sample import _philox_words, _sanitize, _uniform
+from ..reference.philox import SAMPLE_CHUNK
+from .common import philox_words, sanitize, uniform
 
 CHUNK = SAMPLE_CHUNK
 BLOCK = 1024               # columns per step of the row-statistics loop
@@ -66,6 +66,8 @@ _TINY = tl.constexpr(1.1754943508222875e-38)
 
 # Element types of the pointer arguments whose names say nothing (python_tests/triton_sm90_compile.py).
 POINTER_TYPES = {
+    "seed_ptr": "*i64", "offset_ptr": "*i64", "node_ptr": "*i64", "lane_ptr": "*i64", "w0_ptr": "*i64",
+    "w1_ptr": "*i64",
     "stats_ptr": "*fp32", "gathered_ptr": "*fp32", "totals_ptr": "*fp32", "edges_ptr": "*fp32",
     "state_f_ptr": "*fp32", "race_ptr": "*fp64", "picks_ptr": "*i64", "state_i_ptr": "*i64",
     "cu_ptr": "*i32", "out_ptr": "*i32", "num_acc_ptr": "*i32", "mass_ptr": "*fp32",
@@ -81,7 +83,7 @@ def _shard_row_stats(base, n, inv_t, BLOCK: tl.constexpr):
     a_vec = tl.full([BLOCK], 2147483647, tl.int32)
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = _sanitize(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
+        x = sanitize(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
         m_new = tl.maximum(m_vec, x)
         shift = tl.where(m_new > float("-inf"), m_new, 0.0)
         s_vec = s_vec * tl.exp((m_vec - shift) * inv_t) + tl.exp((x - shift) * inv_t)
@@ -163,7 +165,7 @@ def _chain_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, d
         x = tl.load(draft_ids_ptr + tl.where(d_ok, d, 0), mask=d_ok, other=-1).to(tl.int64)
         mine = d_ok & (x >= lo) & (x < lo + n_cols)
         col = tl.where(mine, x - lo, 0)
-        l_x = tl.where(mine & row_ok, _sanitize(tl.load(base + col, mask=mine & row_ok, other=0.0).to(tl.float32)),
+        l_x = tl.where(mine & row_ok, sanitize(tl.load(base + col, mask=mine & row_ok, other=0.0).to(tl.float32)),
                        float("-inf"))
         if HAS_PROBS:
             p_x = tl.load(draft_probs_ptr + tl.where(d_ok, d, 0) * p_stride + col, mask=mine,
@@ -212,8 +214,8 @@ def _chain_decision(gathered_ptr, draft_ids_ptr, cu_ptr, seeds_ptr, offsets_ptr,
                    tl.exp((lx - shift) * inv_t) / tl.maximum(row_sum, 1e-38), 0.0)
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     offset = tl.load(offsets_ptr + b).to(tl.int64)
-    a0, _ = _philox_words(seed, offset, _ACCEPT, t + 1, t * 0)
-    u = _uniform(a0)
+    a0, _ = philox_words(seed, offset, _ACCEPT, t + 1, t * 0)
+    u = uniform(a0)
     accept = tl.where(greedy, x == argmax, u * px < q_x) & x_ok
     t_star = tl.min(tl.where(~accept & (t < L), t, L), 0)  # the first rejection (L: none)
     at = t == t_star
@@ -234,7 +236,7 @@ def _final_weights(logits_ptr, l_stride, draft_probs_ptr, p_stride, row, prob_ro
     global statistics; w = the residual (q - p)+ after a rejected draft (0 where q = 0, NaN ->
     0), with draft probabilities; q without the rejected draft's column otherwise."""
     ok = ok & (row >= 0)
-    x = _sanitize(tl.load(logits_ptr + tl.maximum(row, 0) * l_stride + cols, mask=ok,
+    x = sanitize(tl.load(logits_ptr + tl.maximum(row, 0) * l_stride + cols, mask=ok,
                           other=float("-inf")).to(tl.float32))
     shift = tl.where(m > float("-inf"), m, 0.0)
     q = tl.where(x > float("-inf"), tl.exp((x - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
@@ -347,7 +349,7 @@ def _chunk_race_kernel(totals_ptr, edges_ptr, race_ptr, state_i_ptr, seeds_ptr, 
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     offset = tl.load(offsets_ptr + b).to(tl.int64)
     node = tl.load(state_i_ptr + b * state_stride).to(tl.int32)  # the Philox node: t_star, or the tree's stop node
-    _, w1 = _philox_words(seed, offset, _SAMPLE, node + c * 0, chunk)
+    _, w1 = philox_words(seed, offset, _SAMPLE, node + c * 0, chunk)
     v = ((w1 >> 8) + 1).to(tl.float64) * (1.0 / 16777216.0)
     score = tl.where((tot > 0) & owned, tl.log2(tot.to(tl.float64)) - tl.log2(-tl.log2(v)), float("-inf"))
     best = tl.max(score, 0)
@@ -427,8 +429,8 @@ def _chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, temperat
     t_star = tl.load(state_i_ptr + b * 5)
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     offset = tl.load(offsets_ptr + b).to(tl.int64)
-    w0, _ = _philox_words(seed, offset, _SAMPLE, t_star.to(tl.int32), winner.to(tl.int32))
-    threshold = _uniform(w0) * win_total
+    w0, _ = philox_words(seed, offset, _SAMPLE, t_star.to(tl.int32), winner.to(tl.int32))
+    threshold = uniform(w0) * win_total
     gcol = winner * CHUNK + tl.arange(0, CHUNK)
     valid = tl.where(in_shard, (gcol >= lo) & (gcol < hi), False)  # (scalar & vector trips the interpreter)
     inv_t, _ = _inv_temperature(temperature_ptr, b, HAS_TEMP)
@@ -578,8 +580,8 @@ def _scan_children(tokens_ptr, parents_ptr, gathered_ptr, mass_ptr, v, start, en
         has_q = tl.where(m > float("-inf"), kid & (lx > float("-inf")), False)
         q_x = tl.where(has_q, tl.exp((lx - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
         loc = (j - start).to(tl.int32)
-        a0, _a1 = _philox_words(seed, offset, _ACCEPT, loc, loc * 0)
-        u = _uniform(a0)
+        a0, _a1 = philox_words(seed, offset, _ACCEPT, loc, loc * 0)
+        u = uniform(a0)
         kid_n = kid.to(tl.int64)
         if HAS_PROBS:
             px = tl.max(tl.load(ptr + 1, mask=okw, other=float("-inf")), 0)
@@ -629,7 +631,7 @@ def _tree_local_stats_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, to
         prow = tl.where(kid, start + par, 0)
         col = tl.where(mine, x - lo, 0)
         l_x = tl.load(logits_ptr + prow * l_stride + col, mask=mine, other=0.0).to(tl.float32)
-        tl.store(out + 3 * S, tl.where(mine, _sanitize(l_x), float("-inf")))
+        tl.store(out + 3 * S, tl.where(mine, sanitize(l_x), float("-inf")))
         if HAS_PROBS:
             p_x = tl.load(draft_probs_ptr + prow * p_stride + col, mask=mine, other=0.0).to(tl.float32)
             tl.store(out + 3 * S + 1, tl.where(mine, p_x, float("-inf")))
@@ -663,7 +665,7 @@ def _tree_residual_mass_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, 
         total = tl.maximum(s, _TINY)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            x = _sanitize(tl.load(logits_ptr + v.to(tl.int64) * l_stride + cols, mask=cols < n_cols,
+            x = sanitize(tl.load(logits_ptr + v.to(tl.int64) * l_stride + cols, mask=cols < n_cols,
                                   other=float("-inf")).to(tl.float32))
             p = tl.load(draft_probs_ptr + v.to(tl.int64) * p_stride + cols, mask=cols < n_cols,
                         other=0.0).to(tl.float32)
@@ -680,7 +682,7 @@ def _tree_final_weights(logits_ptr, l_stride, draft_probs_ptr, p_stride, tokens_
     else q without the tokens of the stop node's tested children (when ``exclude``)."""
     ok = tl.where(row >= 0, ok, False)
     r = tl.maximum(row, 0).to(tl.int64)
-    x = _sanitize(tl.load(logits_ptr + r * l_stride + cols, mask=ok, other=float("-inf")).to(tl.float32))
+    x = sanitize(tl.load(logits_ptr + r * l_stride + cols, mask=ok, other=float("-inf")).to(tl.float32))
     shift = tl.where(m > float("-inf"), m, 0.0)
     q = tl.where(x > float("-inf"), tl.exp((x - shift) * inv_t) / tl.maximum(s, _TINY), 0.0)
     if HAS_PROBS:
@@ -797,8 +799,8 @@ def _tree_chunk_pick_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, tok
     si = state_i_ptr + b * 8
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     offset = tl.load(offsets_ptr + b).to(tl.int64)
-    w0, _ = _philox_words(seed, offset, _SAMPLE, tl.load(si).to(tl.int32), winner.to(tl.int32))
-    threshold = _uniform(w0) * win_total
+    w0, _ = philox_words(seed, offset, _SAMPLE, tl.load(si).to(tl.int32), winner.to(tl.int32))
+    threshold = uniform(w0) * win_total
     gcol = winner * CHUNK + tl.arange(0, CHUNK)
     valid = tl.where(in_shard, (gcol >= lo) & (gcol < hi), False)
     inv_t, _ = _inv_temperature(temperature_ptr, b, HAS_TEMP)
@@ -1003,3 +1005,27 @@ def tree_finish(picks, state_i, temperature, out, vocab_size: int) -> None:
     _tree_finish_kernel[(triton.cdiv(B, FINISH_BLOCK),)](
         picks, state_i, out if temperature is None else temperature, out, B, D1 - 1, vocab_size,
         HAS_TEMP=temperature is not None, BLOCK=FINISH_BLOCK, num_warps=4)
+
+
+@triton.jit
+def _philox01_kernel(seed_ptr, offset_ptr, node_ptr, lane_ptr, w0_ptr, w1_ptr, n,
+                     STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    w0, w1 = philox_words(tl.load(seed_ptr + i, mask=m, other=0), tl.load(offset_ptr + i, mask=m, other=0),
+                          STREAM, tl.load(node_ptr + i, mask=m, other=0), tl.load(lane_ptr + i, mask=m, other=0))
+    tl.store(w0_ptr + i, w0.to(tl.int64) & 0xFFFFFFFF, mask=m)
+    tl.store(w1_ptr + i, w1.to(tl.int64) & 0xFFFFFFFF, mask=m)
+
+
+def philox01(seeds: torch.Tensor, offsets: torch.Tensor, stream: int, node: torch.Tensor,
+             lane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Words 0 and 1 of ``reference.philox.philox_words`` for int64 tensors of one shape, as
+    int64, in one launch (the vocabulary-parallel torch path's draws)."""
+    flat = [t.contiguous().view(-1) for t in (seeds, offsets, node, lane)]
+    n = flat[0].numel()
+    w0 = torch.empty(n, dtype=torch.int64, device=seeds.device)
+    w1 = torch.empty_like(w0)
+    block = 256
+    _philox01_kernel[(triton.cdiv(n, block),)](*flat, w0, w1, n, STREAM=stream, BLOCK=block)
+    return w0.view(seeds.shape), w1.view(seeds.shape)

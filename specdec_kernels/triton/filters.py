@@ -32,16 +32,15 @@ with ``l(x) >= t``, one threshold logit ``t`` per row, so the verification kerne
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .philox import SAMPLE_CHUNK
-from .triton_rejection_sample import _sanitize, _token_in_vocab
-from .triton_tree_rejection_sample import _owner_request, _sanitized_cu
+from ..reference.philox import SAMPLE_CHUNK
+from . import config as _config
+from .common import CU_BLOCK, inner_contiguous, owner_request, row_split, sanitize, sanitized_cu, token_in_vocab, workspace
 
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 
@@ -144,7 +143,7 @@ def _gather(row_ptr, list_ptr, n_listed, lo, hi, buf_ptr, idx_ptr, vocab_size, C
         raw, offs, ok = raw_nxt, offs_nxt, ok_nxt
         raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
         chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
-        lg = tl.reshape(_sanitize(raw.to(tl.float32)), [TILE * CHUNK])
+        lg = tl.reshape(sanitize(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = (tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)).to(tl.int32)
         pos = count + tl.cumsum(inside, 0) - 1
@@ -190,20 +189,16 @@ def _pivots(lo, hi, scale, PIVOTS: tl.constexpr):
 
 @triton.jit
 def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size, PIVOTS: tl.constexpr,
-                TILE: tl.constexpr, CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr):
+                TILE: tl.constexpr, CHUNK: tl.constexpr):
     """The pivots of the bracket [lo, hi) (``_pivots``) and, for each, the count and the mass
     exp2((l - row_max) k) of the bracket's tokens at or above it; also the bracket's count.
-    Pipelined as ``_gather``. ACCUMULATE: the [TILE * CHUNK, PIVOTS] comparisons accumulate
-    element-wise across tiles and are reduced once at the end (registers); otherwise each tile
-    is reduced (two cross-warp round trips and barriers per tile, which makes a pass over a
-    whole row -- top-p alone on a flat row -- latency-bound)."""
+    Pipelined as ``_gather``. The [TILE * CHUNK, PIVOTS] comparisons accumulate element-wise
+    across tiles and are reduced once at the end, in registers (reducing each tile costs two
+    cross-warp round trips and barriers per tile, which makes a pass over a whole row -- top-p
+    alone on a flat row -- latency-bound; DECISIONS.md, "triton-filter-search")."""
     piv = _pivots(lo, hi, scale, PIVOTS)
-    if ACCUMULATE:
-        acc_cnt = tl.zeros([TILE * CHUNK, PIVOTS], tl.int32)
-        acc_mass = tl.zeros([TILE * CHUNK, PIVOTS], tl.float32)
-    else:
-        cnt = tl.zeros([PIVOTS], tl.int32)
-        mass = tl.zeros([PIVOTS], tl.float32)
+    acc_cnt = tl.zeros([TILE * CHUNK, PIVOTS], tl.int32)
+    acc_mass = tl.zeros([TILE * CHUNK, PIVOTS], tl.float32)
     acc_in = tl.zeros([TILE * CHUNK], tl.int32)
     chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, 0, TILE)
     raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
@@ -212,22 +207,16 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
         raw, ok = raw_nxt, ok_nxt
         raw_nxt, offs_nxt, ok_nxt = _load_listed(row_ptr, chunk_nxt, listed_nxt, vocab_size, CHUNK)
         chunk_nxt, listed_nxt = _list_tile(list_ptr, n_listed, start + 2 * TILE, TILE)
-        lg = tl.reshape(_sanitize(raw.to(tl.float32)), [TILE * CHUNK])
+        lg = tl.reshape(sanitize(raw.to(tl.float32)), [TILE * CHUNK])
         key = _key(lg)
         inside = tl.reshape(ok, [TILE * CHUNK]) & (key >= lo) & (key < hi)
         e = tl.where(inside, tl.exp2((lg - row_max) * k), 0.0)
-        if ACCUMULATE:
-            above = inside[:, None] & (key[:, None] >= piv[None, :])
-            acc_cnt += above.to(tl.int32)
-            acc_mass += tl.where(above, e[:, None], 0.0)
-        else:
-            c, m = _count_above(key, e, inside, piv, PIVOTS)
-            cnt += c
-            mass += m
+        above = inside[:, None] & (key[:, None] >= piv[None, :])
+        acc_cnt += above.to(tl.int32)
+        acc_mass += tl.where(above, e[:, None], 0.0)
         acc_in += inside.to(tl.int32)
-    if ACCUMULATE:
-        cnt = tl.sum(acc_cnt, 0)
-        mass = tl.sum(acc_mass, 0)
+    cnt = tl.sum(acc_cnt, 0)
+    mass = tl.sum(acc_mass, 0)
     return piv, cnt, mass, tl.sum(acc_in, 0)
 
 
@@ -235,7 +224,7 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
 def _search(row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
             by_mass, goal_count, goal_mass, lo, hi,
             CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
-            PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr):
+            PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr):
     """Narrow [lo, hi) around the answer -- the largest key v with f(v): count(key >= v) >=
     goal_count, or (by_mass) mass(key >= v) >= goal_mass -- given f(lo) (a lower bound; if it
     is not, the answer is taken to be lo) and nothing to count at or above hi.
@@ -256,7 +245,7 @@ def _search(row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_
     while (n_b > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1):
         n_listed = _qualify(m_c, in_table, lo, list_ptr)
         piv, cnt, mass, n_in = _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_size,
-                                           PIVOTS, PIVOT_TILE, CHUNK, PIVOT_ACCUMULATE)
+                                           PIVOTS, PIVOT_TILE, CHUNK)
         holds = tl.where(by_mass, mass_above + mass >= goal_mass, n_above + cnt >= goal_count)
         n_true = tl.max(tl.where(holds, i + 1, 0), 0)  # the answer is in [piv[n_true-1], piv[n_true])
         n_from = tl.where(n_true > 0, _at(cnt, i, n_true - 1), n_in)
@@ -390,8 +379,7 @@ def _bracket_indices(scratch_ptr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 @triton.jit
 def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max, row_sum, k, top_k, top_p,
                    min_p, vocab_size, num_chunks, num_subs, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                   CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr,
-                   PIVOT_ACCUMULATE: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
+                   CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
                    FINE_SUBS: tl.constexpr):
     """The threshold logit t of one row of a filtered request: the row keeps exactly l >= t.
 
@@ -454,7 +442,7 @@ def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max,
             else:
                 lo, hi, n_above, mass_above, n_b = _search(
                     row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
-                    False, top_k, 0.0, lo, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
+                    False, top_k, 0.0, lo, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
             if n_b <= SMALL:
                 t_k, z_k, t_p, p_here = _resolve_top_k(buf_ptr, n_b, lo, n_above, mass_above, top_k, top_p,
                                                        p_on, row_max, k, SMALL)
@@ -482,7 +470,7 @@ def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max,
             lo1 = tl.minimum(lo1, top - 1)  # the max always qualifies (p <= 0 keeps it alone)
             lo, hi, n_above, mass_above, n_b = _search(
                 row_ptr, m_c, in_table, list_ptr, idx_ptr, buf_ptr, vocab_size, row_max, k, scale,
-                True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE)
+                True, 0, target, lo1, top, CHUNKS_PAD, CHUNK, CAP, TILE, PIVOT_TILE, PIVOTS)
             if n_b <= SMALL:
                 t_p = _resolve_top_p(buf_ptr, n_b, lo, n_above, mass_above, target, row_max, k, SMALL)
             elif n_b <= CAP:
@@ -532,27 +520,6 @@ def _kept_set_table(buf_ptr, idx_ptr, n_b, thr, cmax_row, kept_w_row, row_max, k
 
 # --------------------------------------------------------------------------- threshold pass
 
-# Tuning knobs, read at each launch (a benchmark may change them between calls;
-# benchmarks/bench_filters.py --knob-runs): the bracket buffer (tokens sorted in registers; more
-# means fewer counting passes), chunks per tile of the gather passes and of the counting passes,
-# whether a counting pass accumulates its comparisons element-wise (one reduction per pass) or
-# reduces per tile, pivots per counting pass. Powers of 2. FILTER_MAXNREG caps the registers of
-# the search kernel (0: Triton's choice); FILTER_WARPS its warps.
-FILTER_CAP = int(os.environ.get("SPECDEC_TRITON_FILTER_CAP", "512"))
-FILTER_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_TILE", "8"))
-FILTER_PIVOT_TILE = int(os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_TILE", "1"))
-FILTER_PIVOT_ACCUMULATE = os.environ.get("SPECDEC_TRITON_FILTER_PIVOT_ACCUMULATE", "1") == "1"
-FILTER_MAXNREG = int(os.environ.get("SPECDEC_TRITON_FILTER_MAXNREG", "0"))
-FILTER_WARPS = int(os.environ.get("SPECDEC_TRITON_FILTER_WARPS", "4"))
-# Programs per SM the stats stream aims at when splitting rows (0: the verification kernel's
-# split). Not tuned yet: the stream ran at 28% achieved occupancy with that split (B = 32).
-FILTER_STATS_PROGRAMS_PER_SM = int(os.environ.get("SPECDEC_TRITON_FILTER_STATS_PROGRAMS_PER_SM", "0"))
-# Chunks per tile of the stats stream (each tile costs two layout round trips through shared
-# memory for its maxima' stores, so bigger tiles mean fewer barriers per logit).
-FILTER_STATS_GROUP = int(os.environ.get("SPECDEC_TRITON_FILTER_STATS_GROUP", "8"))
-# Rows whose whole kept set the search held are verified from it, without a second read of the
-# row (0: every filtered row is streamed again, skipping chunks below its threshold).
-FILTER_KEPT_SET = os.environ.get("SPECDEC_TRITON_FILTER_KEPT_SET", "1") == "1"
 FILTER_PIVOTS = 16
 # The finer maxima of the stats stream (every FILTER_SUB logits) and the fine top-k path's sizes:
 # up to FILTER_FINE_CHUNKS listed chunks (also its largest k), FILTER_FINE_SUBS gathered sub-chunks.
@@ -591,9 +558,9 @@ def _slot_row(cu_ptr, slot, temperature_ptr, num_requests, num_rows, max_rows, T
     LOG2E: tl.constexpr = 1.4426950408889634
     if TREE:
         row = slot.to(tl.int64)
-        b = _owner_request(cu_ptr, row, num_requests, CU_BLOCK)
-        cu_lo = _sanitized_cu(cu_ptr, b, num_requests, num_rows, CU_BLOCK)
-        n = _sanitized_cu(cu_ptr, b + 1, num_requests, num_rows, CU_BLOCK) - cu_lo
+        b = owner_request(cu_ptr, row, num_requests, CU_BLOCK)
+        cu_lo = sanitized_cu(cu_ptr, b, num_requests, num_rows, CU_BLOCK)
+        n = sanitized_cu(cu_ptr, b + 1, num_requests, num_rows, CU_BLOCK) - cu_lo
         valid = (b < num_requests) & (row >= cu_lo) & (row < cu_lo + n)
         draft = tl.full([], -1, tl.int64)
     else:
@@ -651,7 +618,7 @@ def _filter_stats_kernel(
             raw = raw_next
             offs = (grp + 1) * (GROUP * CHUNK) + tile_lane
             raw_next = tl.load(row_ptr + offs, mask=(offs < vocab_size) & (grp + 1 < g_hi), other=float("-inf"))
-            lg = _sanitize(raw.to(tl.float32))
+            lg = sanitize(raw.to(tl.float32))
             m_s = tl.max(lg, 1)
             subs = grp * SUBS + sub_in_group
             tl.store(submax_row + subs, m_s, mask=subs < num_subs)
@@ -672,7 +639,7 @@ def _row_sum(row_ptr, vocab_size, row_max, k, BLOCK: tl.constexpr):
         raw = raw_next
         nxt = start + BLOCK + offs
         raw_next = tl.load(row_ptr + nxt, mask=nxt < vocab_size, other=float("-inf"))
-        acc += tl.exp2((_sanitize(raw.to(tl.float32)) - row_max) * k)
+        acc += tl.exp2((sanitize(raw.to(tl.float32)) - row_max) * k)
     return tl.sum(acc, 0)
 
 
@@ -685,7 +652,7 @@ def _filter_threshold_kernel(
     TREE: tl.constexpr, HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
     CU_BLOCK: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr,
-    PIVOTS: tl.constexpr, PIVOT_ACCUMULATE: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
+    PIVOTS: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
     FINE_SUBS: tl.constexpr, SUM_BLOCK: tl.constexpr, KEPT_SET: tl.constexpr, EXCLUDE_DRAFT: tl.constexpr,
 ):
     """Threshold pass, step 2: one program per slot writes thr[slot], the row's threshold logit
@@ -719,13 +686,13 @@ def _filter_threshold_kernel(
             thr, kept_n = _row_threshold(
                 row_ptr, cmax_row, submax_ptr + slot.to(tl.int64) * num_subs, scratch_row, buf_row, row_max,
                 row_sum, k, top_k, top_p, min_p, vocab_size, num_chunks, num_subs, CHUNKS_PAD, CHUNK, CAP, TILE,
-                PIVOT_TILE, PIVOTS, PIVOT_ACCUMULATE, SUB, FINE_CHUNKS, FINE_SUBS)
+                PIVOT_TILE, PIVOTS, SUB, FINE_CHUNKS, FINE_SUBS)
             if KEPT_SET:
                 if kept_n >= 0:
                     excluded = tl.full([], -1, tl.int32)
                     if EXCLUDE_DRAFT:
                         if (draft >= 0) & (draft < num_drafts):
-                            excluded = _token_in_vocab(tl.load(draft_ids_ptr + draft), vocab_size)
+                            excluded = token_in_vocab(tl.load(draft_ids_ptr + draft), vocab_size)
                     idx_row = _bracket_indices(scratch_row, CHUNKS_PAD, CHUNK, SUB, FINE_CHUNKS)
                     kept_w_row = kept_w_ptr + slot.to(tl.int64) * num_chunks
                     SMALL: tl.constexpr = 64 if CAP > 64 else CAP
@@ -740,21 +707,23 @@ def _filter_threshold_kernel(
     tl.store(kept_z_ptr + slot, kept_z)
 
 
-def filter_scratch_stride(chunks_pad: int) -> int:
+def filter_scratch_stride(chunks_pad: int, cap: int) -> int:
     """int32 scratch entries per row of the search: the chunk list (chunks_pad), the fine path's
-    sub-chunk list, the bracket's vocabulary indices (FILTER_CAP)."""
-    return chunks_pad + FILTER_FINE_CHUNKS * (SAMPLE_CHUNK // FILTER_SUB) + FILTER_CAP
+    sub-chunk list, the bracket's vocabulary indices (``cap``)."""
+    return chunks_pad + FILTER_FINE_CHUNKS * (SAMPLE_CHUNK // FILTER_SUB) + cap
 
 
-def threshold_workspace_sizes(slots: int, num_groups: int, num_chunks: int) -> tuple[int, int]:
+def threshold_workspace_sizes(slots: int, num_groups: int, num_chunks: int,
+                              config: _config.FilterConfig | None = None) -> tuple[int, int]:
     """(float32 entries, int32 entries) of the threshold pass for ``slots`` rows of
     ``num_groups`` tiles: per slot its split maxima (at most one split per tile), its chunk and
-    sub-chunk maxima, its threshold, its kept-set chunk table, max and sum, and the CAP-entry
+    sub-chunk maxima, its threshold, its kept-set chunk table, max and sum, and the cap-entry
     bracket buffer (float32); its search scratch (int32, ``filter_scratch_stride``)."""
+    cap = (config or _config.active()[1]).cap
     chunks_pad = triton.next_power_of_2(max(num_chunks, 1))
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
-    return (slots * (num_groups + 2 * num_chunks + num_subs + 3 + FILTER_CAP),
-            slots * filter_scratch_stride(chunks_pad))
+    return (slots * (num_groups + 2 * num_chunks + num_subs + 3 + cap),
+            slots * filter_scratch_stride(chunks_pad, cap))
 
 
 class RowThresholds(NamedTuple):
@@ -769,15 +738,16 @@ class RowThresholds(NamedTuple):
     kept_z: torch.Tensor
 
 
-def _stats_split(slots: int, num_chunks: int, num_splits: int, max_splits: int, device) -> tuple[int, int, int]:
-    """(chunks per tile, splits, tiles per split) of the stats stream: FILTER_STATS_GROUP chunks
-    per tile, over the verification kernel's number of splits or FILTER_STATS_PROGRAMS_PER_SM
+def _stats_split(cfg: _config.FilterConfig, slots: int, num_chunks: int, num_splits: int, max_splits: int,
+                 device) -> tuple[int, int, int]:
+    """(chunks per tile, splits, tiles per split) of the stats stream: ``cfg.stats_group`` chunks
+    per tile, over the verification kernel's number of splits or ``cfg.stats_programs_per_sm``
     programs per SM (2 "SMs" off the GPU); at most max_splits (the split maxima's workspace)."""
-    group = FILTER_STATS_GROUP
+    group = cfg.stats_group
     num_groups = triton.cdiv(num_chunks, group)
-    if FILTER_STATS_PROGRAMS_PER_SM > 0:
+    if cfg.stats_programs_per_sm > 0:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        num_splits = triton.cdiv(FILTER_STATS_PROGRAMS_PER_SM * sms, max(slots, 1))
+        num_splits = triton.cdiv(cfg.stats_programs_per_sm * sms, max(slots, 1))
     splits = max(1, min(num_splits, num_groups, max_splits))
     per_split = triton.cdiv(num_groups, splits)
     return group, triton.cdiv(num_groups, per_split), per_split
@@ -786,23 +756,24 @@ def _stats_split(slots: int, num_chunks: int, num_splits: int, max_splits: int, 
 def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: torch.Tensor,
                           cu: torch.Tensor, temperature, top_k, top_p, min_p, *, tree: bool, num_requests: int,
                           slots: int, max_rows: int, num_splits: int, num_groups: int, num_warps: int,
-                          cu_block: int = 1024,
-                          excluded_drafts: torch.Tensor | None = None) -> RowThresholds:
+                          cu_block: int = CU_BLOCK, excluded_drafts: torch.Tensor | None = None,
+                          config: _config.FilterConfig | None = None) -> RowThresholds:
     """Run the threshold pass (two launches, no host sync) over ``slots`` target rows (the stats
     stream splits each row in ``num_splits``, the verification kernel's count, unless
-    FILTER_STATS_PROGRAMS_PER_SM says otherwise; ``num_groups``, the verification kernel's tiles
+    ``config.stats_programs_per_sm`` says otherwise; ``num_groups``, the verification kernel's tiles
     per row, bounds it) and return its ``RowThresholds`` (views of the workspace ``f32``, sized
     by ``threshold_workspace_sizes``). The verification kernel then treats every logit below its
     row's threshold as -inf and skips the chunks whose max is below it, or, for a row whose whole
     kept set the search held (kept_z > 0), does not read the row at all. excluded_drafts (chain
     without draft probabilities): the draft token ids, left out of row t's kept-set chunk table
-    for t < n."""
+    for t < n. ``config``: launch parameters (None = ``config.active()``)."""
+    cfg = config or _config.active()[1]
     R, V = target_logits.shape
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
     num_subs = num_chunks * (SAMPLE_CHUNK // FILTER_SUB)
     chunks_pad = triton.next_power_of_2(num_chunks)
     # (rec_m holds num_groups split maxima per slot)
-    stats_group, stats_splits, stats_tiles_per_split = _stats_split(slots, num_chunks, num_splits, num_groups,
+    stats_group, stats_splits, stats_tiles_per_split = _stats_split(cfg, slots, num_chunks, num_splits, num_groups,
                                                                     target_logits.device)
     sizes = [slots * num_groups, slots * num_chunks, slots * num_subs, slots, slots * num_chunks, slots, slots]
     rec_m, cmax, submax, thr, kept_w, kept_m, kept_z = torch.split(f32[:sum(sizes)], sizes)
@@ -816,16 +787,16 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
         *args, rec_m, cmax, submax, num_requests, R, V, max_rows, stats_splits, stats_tiles_per_split,
         triton.cdiv(num_chunks, stats_group), num_chunks, num_subs, GROUP=stats_group, SUB=FILTER_SUB,
         num_warps=num_warps, **common)
-    extra = {"maxnreg": FILTER_MAXNREG} if FILTER_MAXNREG > 0 else {}
+    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg > 0 else {}
     _filter_threshold_kernel[(slots,)](
         *args, rec_m, cmax, submax, thr, i32, buf, kept_w, kept_m, kept_z,
         dummy if excluded_drafts is None else excluded_drafts,
         0 if excluded_drafts is None else excluded_drafts.shape[0], num_requests, R, V, max_rows, stats_splits,
-        num_chunks, num_subs, filter_scratch_stride(chunks_pad), SPLITS_PAD=triton.next_power_of_2(stats_splits),
-        CHUNKS_PAD=chunks_pad, CAP=FILTER_CAP,
-        TILE=FILTER_TILE, PIVOT_TILE=FILTER_PIVOT_TILE, PIVOTS=FILTER_PIVOTS, PIVOT_ACCUMULATE=FILTER_PIVOT_ACCUMULATE,
+        num_chunks, num_subs, filter_scratch_stride(chunks_pad, cfg.cap), SPLITS_PAD=triton.next_power_of_2(stats_splits),
+        CHUNKS_PAD=chunks_pad, CAP=cfg.cap,
+        TILE=cfg.tile, PIVOT_TILE=cfg.pivot_tile, PIVOTS=FILTER_PIVOTS,
         SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, SUM_BLOCK=FILTER_SUM_BLOCK,
-        KEPT_SET=FILTER_KEPT_SET, EXCLUDE_DRAFT=excluded_drafts is not None, num_warps=FILTER_WARPS,
+        KEPT_SET=cfg.kept_set, EXCLUDE_DRAFT=excluded_drafts is not None, num_warps=cfg.num_warps,
         **common, **extra)
     return RowThresholds(thr, cmax, kept_w, kept_m, kept_z)
 
@@ -835,20 +806,19 @@ def _row_thresholds_for_cuda(target_logits: torch.Tensor, cu: torch.Tensor, temp
                              excluded_drafts: torch.Tensor | None = None) -> RowThresholds:
     """The threshold pass for the CUDA kernels (views of the Triton kernels' cached workspace,
     valid until their next launch)."""
-    from .ops import inner_contiguous
-    from .triton_rejection_sample import GROUP, NUM_WARPS, _row_split, _workspace
-    from .triton_tree_rejection_sample import CU_BLOCK
+    verify_cfg, filter_cfg = _config.active()
     rows, vocab = target_logits.shape
     num_chunks = triton.cdiv(max(vocab, 1), SAMPLE_CHUNK)
-    num_groups = triton.cdiv(num_chunks, GROUP)
-    num_splits, _ = _row_split(target_logits.device, rows, num_groups)  # the verification kernel's
-    n_f32, n_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks)
-    f32, i32, _ = _workspace(target_logits.device, n_f32, n_i32, 1)
+    num_groups = triton.cdiv(num_chunks, verify_cfg.group)
+    # The split the Triton verification kernel would take (the stats stream follows it).
+    num_splits, _ = row_split(target_logits.device, rows, num_groups, None, verify_cfg.programs_per_sm or 4)
+    n_f32, n_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks, filter_cfg)
+    f32, i32, _ = workspace(target_logits.device, n_f32, n_i32, 1)
     filters = [None if f is None else inner_contiguous(f) for f in (top_k, top_p, min_p)]
     return launch_row_thresholds(
         f32[:n_f32], i32[:n_i32], inner_contiguous(target_logits), cu, temperature, *filters, tree=tree,
         num_requests=cu.shape[0] - 1, slots=slots, max_rows=max_rows, num_splits=num_splits, num_groups=num_groups,
-        num_warps=NUM_WARPS, cu_block=CU_BLOCK, excluded_drafts=excluded_drafts)
+        num_warps=verify_cfg.num_warps, cu_block=CU_BLOCK, excluded_drafts=excluded_drafts, config=filter_cfg)
 
 
 def chain_row_thresholds(target_logits: torch.Tensor, cu: torch.Tensor, temperature, top_k, top_p, min_p,

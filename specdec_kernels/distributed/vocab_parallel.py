@@ -27,13 +27,13 @@ all ranks return the same outputs.
 
 Local work:
 
-- chain op, CUDA tensors: five fused Triton launches (``triton_vocab_parallel``), one before
+- chain op, CUDA tensors: five fused Triton launches (``triton.vocab_parallel``), one before
   each collective and one after the last -- row statistics and the drafts' values in one
   read of the shard | accept tests, stop row and per-chunk sums of its weights | edge merge
   and chunk race | in-chunk inverse CDF | the final token -- and no other kernel (output
   buffers aside). $SPECDEC_VP_TRITON=1 forces this path on CPU tensors (in Triton's
   interpreter, TRITON_INTERPRET=1: the tests), =0 selects the torch path everywhere;
-- tree op, CUDA tensors: the same five fused launches (``triton_vocab_parallel``) -- row
+- tree op, CUDA tensors: the same five fused launches (``triton.vocab_parallel``) -- row
   statistics and the children's values | the walk (every program repeats it from the
   gathered numbers), the stop row and per-chunk sums of its weights | race | pick | final
   token -- plus one launch before each residual-mass all_reduce (draft probabilities).
@@ -57,8 +57,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .checks import INDEX_DTYPES, LOGIT_DTYPES, _check_request_params, _check_width, check_tensor
-from .philox import (
+from ..checks import INDEX_DTYPES, LOGIT_DTYPES, check_request_params, check_tensor, check_width
+from ..reference.philox import (
     SAMPLE_CHUNK,
     STREAM_ACCEPT,
     STREAM_SAMPLE,
@@ -66,116 +66,19 @@ from .philox import (
     philox_words,
     uniform_from_word,
 )
-from .reference import _rows, sanitize_logits
+from ..reference import gather_rows, sanitize_logits
 
 try:  # the Triton kernels' Philox, for one fused launch instead of ~340 small torch ops per draw
     import triton
-    import triton.language as tl
 
-    from . import triton_vocab_parallel as _tvp
-    from .triton_vocab_parallel import _shard_row_stats as _tl_shard_row_stats
-    from .triton_rejection_sample import _philox_words as _tl_philox_words
-    from .triton_rejection_sample import _sanitize as _tl_sanitize
+    from ..triton import vocab_parallel as _tvp
 except Exception:  # noqa: BLE001 -- triton is optional: the torch Philox is used instead
     triton = None
 
 __all__ = ["rejection_sample_vocab_parallel", "tree_rejection_sample_vocab_parallel"]
 
 _NEG_INF = float("-inf")
-# For python_tests/triton_sm90_compile.py: constexpr values and pointer element types of the
-# tree path's kernels.
-STREAM = STREAM_SAMPLE
-BLOCK = 1024
-CHUNK = SAMPLE_CHUNK
-POINTER_TYPES = {
-    "seed_ptr": "*i64", "offset_ptr": "*i64", "node_ptr": "*i64", "lane_ptr": "*i64", "w0_ptr": "*i64",
-    "w1_ptr": "*i64", "rows_ptr": "*i64", "inv_t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-    "arg_ptr": "*i64", "probs_ptr": "*fp32", "a_ptr": "*fp32", "need_ptr": "*i32", "out_ptr": "*fp32",
-    "prow_ptr": "*i64", "excl_ptr": "*u8", "use_res_ptr": "*i32", "tot_w_ptr": "*fp32", "tot_q_ptr": "*fp32",
-}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-if triton is not None:
-    @triton.jit
-    def _philox01_kernel(seed_ptr, offset_ptr, node_ptr, lane_ptr, w0_ptr, w1_ptr, n,
-                         STREAM: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        w0, w1 = _tl_philox_words(tl.load(seed_ptr + i, mask=m, other=0), tl.load(offset_ptr + i, mask=m, other=0),
-                                  STREAM, tl.load(node_ptr + i, mask=m, other=0),
-                                  tl.load(lane_ptr + i, mask=m, other=0))
-        tl.store(w0_ptr + i, w0.to(tl.int64) & 0xFFFFFFFF, mask=m)
-        tl.store(w1_ptr + i, w1.to(tl.int64) & 0xFFFFFFFF, mask=m)
-
-
-    @triton.jit
-    def _row_stats_kernel(logits_ptr, stride, n_cols, rows_ptr, inv_t_ptr, max_ptr, sum_ptr, arg_ptr,
-                          BLOCK: tl.constexpr):
-        """One program per entry: row ``rows[i]`` (-1: no row) of the shard, sanitized, read once
-        in its own dtype: max, sum of exp((l - max) * inv_t), first argmax (n_cols: none)."""
-        i = tl.program_id(0)
-        row = tl.load(rows_ptr + i)
-        inv_t = tl.load(inv_t_ptr + i)
-        base = logits_ptr + tl.maximum(row, 0).to(tl.int64) * stride
-        m, total, arg = _tl_shard_row_stats(base, tl.where(row >= 0, n_cols, 0), inv_t, BLOCK)
-        tl.store(max_ptr + i, m)
-        tl.store(sum_ptr + i, total)
-        tl.store(arg_ptr + i, tl.where(arg < 2147483647, arg, n_cols).to(tl.int64))
-
-    @triton.jit
-    def _residual_mass_kernel(logits_ptr, l_stride, probs_ptr, p_stride, n_cols, max_ptr, sum_ptr, inv_t_ptr,
-                              a_ptr, need_ptr, out_ptr, BLOCK: tl.constexpr):
-        """One program per row: sum_x (q(x) - a p(x))+ over the shard, q = exp((l - max) * inv_t) / sum;
-        rows with need == 0 read nothing. NaN propagates, as in torch's clamp(min=0)."""
-        row = tl.program_id(0)
-        n = tl.where(tl.load(need_ptr + row) != 0, n_cols, 0)
-        m = tl.load(max_ptr + row)
-        shift = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.maximum(tl.load(sum_ptr + row), 1.1754943508222875e-38)
-        inv_t = tl.load(inv_t_ptr + row)
-        a = tl.load(a_ptr + row)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, n, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = _tl_sanitize(tl.load(logits_ptr + row.to(tl.int64) * l_stride + cols, mask=cols < n,
-                                     other=float("-inf")).to(tl.float32))
-            p = tl.load(probs_ptr + row.to(tl.int64) * p_stride + cols, mask=cols < n, other=0.0).to(tl.float32)
-            d = tl.exp((x - shift) * inv_t) / total - a * p
-            acc += tl.where(d < 0, 0.0, d)
-        tl.store(out_ptr + row, tl.sum(acc, 0))
-
-
-    @triton.jit
-    def _final_totals_kernel(logits_ptr, l_stride, rows_ptr, probs_ptr, p_stride, prow_ptr, excl_ptr, e_stride,
-                             max_ptr, sum_ptr, inv_t_ptr, a_ptr, use_res_ptr, tot_w_ptr, tot_q_ptr,
-                             n_cols, lo, c_first, n_chunks,
-                             HAS_PROBS: tl.constexpr, HAS_EXCL: tl.constexpr, CHUNK: tl.constexpr):
-        """Program (r, c): this shard's part of global chunk c_first + c of final row r: the sums
-        of w and q (``_FinalRows``), the entries formed in registers only."""
-        r = tl.program_id(0)
-        c = tl.program_id(1)
-        row = tl.load(rows_ptr + r)
-        cols = (c_first + c) * CHUNK - lo + tl.arange(0, CHUNK)
-        ok = (cols >= 0) & (cols < n_cols) & (row >= 0)
-        x = _tl_sanitize(tl.load(logits_ptr + tl.maximum(row, 0).to(tl.int64) * l_stride + cols, mask=ok,
-                                 other=float("-inf")).to(tl.float32))
-        m = tl.load(max_ptr + r)
-        shift = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.maximum(tl.load(sum_ptr + r), 1.1754943508222875e-38)
-        q = tl.where(x > float("-inf"), tl.exp((x - shift) * tl.load(inv_t_ptr + r)) / total, 0.0)
-        if HAS_PROBS:
-            prow = tl.load(prow_ptr + r).to(tl.int64)
-            p = tl.load(probs_ptr + prow * p_stride + cols, mask=ok, other=0.0).to(tl.float32)
-            d = q - tl.load(a_ptr + r) * p
-            res = tl.where((q > 0) & (d > 0), d, 0.0)  # clamp(min=0), NaN -> 0, zero where q = 0
-            w = tl.where(tl.load(use_res_ptr + r) != 0, res, q)
-        elif HAS_EXCL:
-            e = tl.load(excl_ptr + r.to(tl.int64) * e_stride + cols, mask=ok, other=0)
-            w = tl.where(e != 0, 0.0, q)
-        else:
-            w = q
-        tl.store(tot_w_ptr + r * n_chunks + c, tl.sum(w, 0))
-        tl.store(tot_q_ptr + r * n_chunks + c, tl.sum(q, 0))
 
 
 def _use_triton(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
@@ -212,18 +115,11 @@ def _row_stats(logits: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, lo
                 torch.zeros(n, dtype=compute_dtype, device=device),
                 torch.full((n,), vocab_size, dtype=torch.int64, device=device))
     rows = torch.where(rows < logits.shape[0], rows, -1).contiguous()
-    if _use_triton(logits, compute_dtype) and logits.stride(1) == 1:
-        row_max = torch.empty(n, dtype=torch.float32, device=device)
-        row_sum = torch.empty_like(row_max)
-        arg = torch.empty(n, dtype=torch.int64, device=device)
-        _row_stats_kernel[(n,)](logits, logits.stride(0), v_local, rows, inv_t.to(torch.float32).contiguous(),
-                                row_max, row_sum, arg, BLOCK=1024, num_warps=4)
-    else:
-        lg = sanitize_logits(_rows(logits, rows).to(compute_dtype))
-        lg.masked_fill_((rows < 0)[:, None], _NEG_INF)
-        row_max, arg = lg.max(-1)
-        shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
-        row_sum = ((lg - shift[:, None]) * inv_t[:, None]).exp().sum(-1)
+    lg = sanitize_logits(gather_rows(logits, rows).to(compute_dtype))
+    lg.masked_fill_((rows < 0)[:, None], _NEG_INF)
+    row_max, arg = lg.max(-1)
+    shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
+    row_sum = ((lg - shift[:, None]) * inv_t[:, None]).exp().sum(-1)
     arg = torch.where(row_max > _NEG_INF, arg + lo, vocab_size)
     return row_max, row_sum, arg
 
@@ -235,12 +131,6 @@ def _residual_mass(logits, probs, row_max, row_sum, inv_t, a, need, compute_dtyp
     device = logits.device
     if v_local == 0:
         return torch.zeros(N, dtype=compute_dtype, device=device)
-    if _use_triton(logits, compute_dtype) and logits.stride(1) == 1 and probs.stride(1) == 1:
-        out = torch.empty(N, dtype=torch.float32, device=device)
-        _residual_mass_kernel[(N,)](logits, logits.stride(0), probs, probs.stride(0), v_local, row_max.contiguous(),
-                                    row_sum.contiguous(), inv_t.to(torch.float32).contiguous(),
-                                    a.contiguous(), need.to(torch.int32).contiguous(), out, BLOCK=1024, num_warps=4)
-        return out
     lg = sanitize_logits(logits.to(compute_dtype))
     shift = torch.where(row_max > _NEG_INF, row_max, 0.0)
     q = ((lg - shift[:, None]) * inv_t[:, None]).exp() / row_sum.clamp(min=torch.finfo(compute_dtype).tiny)[:, None]
@@ -254,13 +144,7 @@ def _philox01(seeds, offsets, stream: int, node, lane) -> tuple[torch.Tensor, to
     if not _use_triton(seeds, torch.float32) or seeds.numel() == 0:
         w0, w1, _, _ = philox_words(seeds, offsets, stream, node, lane)
         return w0, w1
-    flat = [t.contiguous().view(-1) for t in (seeds, offsets, node, lane)]
-    n = flat[0].numel()
-    w0 = torch.empty(n, dtype=torch.int64, device=seeds.device)
-    w1 = torch.empty_like(w0)
-    block = 256
-    _philox01_kernel[(triton.cdiv(n, block),)](*flat, w0, w1, n, STREAM=stream, BLOCK=block)
-    return w0.view(seeds.shape), w1.view(seeds.shape)
+    return _tvp.philox01(seeds, offsets, stream, node, lane)
 
 
 # all_gather_into_tensor was renamed all_gather_single (torch 2.14 deprecates the old name).
@@ -353,7 +237,7 @@ def rejection_sample_vocab_parallel(
     td = t[:L]
     d_idx = cu[:-1, None] + td[None, :]
     d_ok = (td[None, :] < n[:, None]) & (d_idx >= 0) & (d_idx < N)
-    x = torch.where(d_ok, _rows(draft_token_ids, d_idx).to(torch.int64), -1)
+    x = torch.where(d_ok, gather_rows(draft_token_ids, d_idx).to(torch.int64), -1)
     x_ok = d_ok & (x >= 0) & (x < vocab_size)
     mine = x_ok & (x >= lo) & (x < hi)
     x_local = (x - lo).clamp(0, max(v_local - 1, 0))
@@ -428,7 +312,7 @@ def _local_chunks(lo: int, hi: int) -> tuple[int, int]:
 
 def _chain_fused(logits, draft_ids, cu, draft_probs, temperature, seeds, offsets, L, lo, hi, vocab_size, group):
     """The chain op's Triton path: five launches around the four collectives
-    (``triton_vocab_parallel``), the same tokens as the torch path below."""
+    (``triton.vocab_parallel``), the same tokens as the torch path below."""
     rank = dist.get_rank(group)
     S = _tvp.row_segments(logits.shape[0], vocab_size, dist.get_world_size(group))
     stats = _tvp.chain_local_stats(logits, draft_probs, draft_ids, cu, temperature, L, lo, vocab_size, S)
@@ -491,25 +375,6 @@ class _FinalRows:
         if n_chunks == 0 or R == 0:
             z = torch.zeros(R, n_chunks, dtype=self.cd, device=device)
             return z, z.clone()
-        if _use_triton(self.logits, self.cd) and self.logits.stride(1) == 1 and \
-                (self.probs is None or self.probs.stride(1) == 1):
-            tot_w = torch.empty(R, n_chunks, dtype=torch.float32, device=device)
-            tot_q = torch.empty_like(tot_w)
-            has_probs = self.probs is not None
-            has_excl = self.excluded is not None and not has_probs
-            dummy = self.row_max
-            _final_totals_kernel[(R, n_chunks)](
-                self.logits, self.logits.stride(0), self.rows,
-                self.probs if has_probs else dummy, self.probs.stride(0) if has_probs else 0,
-                self.prob_rows.contiguous() if has_probs else self.rows,
-                self.excluded.view(torch.uint8) if has_excl else dummy,
-                self.excluded.stride(0) if has_excl else 0,
-                self.row_max, self.row_sum, self.inv_t.contiguous(),
-                self.a.contiguous() if has_probs else dummy,
-                self.use_residual.to(torch.int32).contiguous() if has_probs else self.rows,
-                tot_w, tot_q, v_local, self.lo, c_first, n_chunks,
-                HAS_PROBS=has_probs, HAS_EXCL=has_excl, CHUNK=SAMPLE_CHUNK, num_warps=2)
-            return tot_w, tot_q
         cols = torch.arange(v_local, device=device)[None, :].expand(R, v_local)
         w, q = self.entries(cols)
         front = self.lo - c_first * SAMPLE_CHUNK
@@ -687,7 +552,7 @@ def _tree_links(tokens, parents, cu_num_nodes, vocab_size: int) -> _TreeLinks:
 def _tree_fused(logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets, D, rounds, lo, hi,
                 vocab_size, group):
     """The tree op's Triton path: five launches around the four collectives, plus one before each
-    of the ``rounds`` all_reduces of the residual masses (``triton_vocab_parallel``); the same
+    of the ``rounds`` all_reduces of the residual masses (``triton.vocab_parallel``); the same
     tokens as the torch path below."""
     N = logits.shape[0]
     rank = dist.get_rank(group)
@@ -816,7 +681,7 @@ def tree_rejection_sample_vocab_parallel(
         if tuple(draft_probs.shape) != (N, v_local):
             raise ValueError(f"draft_probs must have shape (N, V_local) = ({N}, {v_local}), "
                              f"got {tuple(draft_probs.shape)}")
-    _check_request_params(temperature, seeds, offsets, B, device)
+    check_request_params(temperature, seeds, offsets, B, device)
     if compute_dtype not in (torch.float32, torch.float64):
         raise TypeError(f"compute_dtype must be float32 or float64, got {compute_dtype}")
     if vocab_size > (1 << 24 if compute_dtype == torch.float32 else 1 << 53):
@@ -824,9 +689,9 @@ def tree_rejection_sample_vocab_parallel(
     if max_depth is None:
         counts = cu_num_nodes[1:] - cu_num_nodes[:-1]
         max_depth = max(int(counts.max()) - 1, 0) if B else 0
-    _check_width("max_depth", max_depth)
+    check_width("max_depth", max_depth)
     if max_children is not None:
-        _check_width("max_children", max_children)
+        check_width("max_children", max_children)
         if draft_probs is not None and N and (validate if validate is not None
                                               else os.environ.get("SPECDEC_VALIDATE") == "1"):
             _check_max_children(parents, cu_num_nodes, int(max_children))

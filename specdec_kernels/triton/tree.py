@@ -1,7 +1,7 @@
 """Fused Triton kernel for tree verification: ``_tree_rejection_sample_kernel`` -> launcher.
 
-One launch per call. Phase 1 is the chain kernel's stream (triton_rejection_sample.py,
-``_stream_split``: half-chunk tiles, the FMA exponent, the L2 prefetch, the register cap; a
+One launch per call. Phase 1 is the chain kernel's stream (``stream``,
+``stream_split``: half-chunk tiles, the FMA exponent, the L2 prefetch, the register cap; a
 split's first tile is loaded before its request is found): one
 program per (node row, split) streams the row once and writes its record (max, sum of
 exp2((l - max) k), greedy argmax) and, for random requests, its chunk table. The program that
@@ -19,67 +19,22 @@ only on its earlier siblings), which is the planned fast path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
-from .triton_rejection_sample import (
-    FAST_EXP,
-    GROUP,
-    HALVES,
-    MAXNREG,
-    NUM_WARPS,
-    _first_tile,
-    _kept_set_record,
-    _open_uniform,
-    _philox_words,
-    _race_winner,
-    _row_split,
-    _row_table,
-    _sanitize,
-    _stream_split,
-    _tile_lanes,
-    _uniform,
-    _workspace,
-    asm_table_enabled,
-    prefetch_tiles,
-)
+from ..reference.philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
+from . import config as _config
+from .common import (CU_BLOCK, asm_table_enabled, open_uniform, owner_request, philox_words, prefetch_tiles,
+                     row_split, sanitize, sanitized_cu, uniform, workspace)
+from .filters import launch_row_thresholds, threshold_workspace_sizes
+from .stream import first_tile, kept_set_record, row_table, stream_split, tile_lanes
 
 NODE_BLOCK = 64  # nodes scanned per step when looking for children
-# Unfiltered tree calls take the chain kernel's register cap too (MAXNREG; SPECDEC_TRITON_TREE_MAXNREG=0:
-# none, for A/B timings). The stream is the chain kernel's (``_stream_split``), whose loop is
-# written for that cap (docs/PERF.md, section "Register caps and lane partials for the chain
-# stream, tried; the Triton tree on the chain stream, merged").
-TREE_MAXNREG = os.environ.get("SPECDEC_TRITON_TREE_MAXNREG", "1") != "0"
-CU_BLOCK = 1024  # request offsets scanned per step when looking for a row's request
-
-
-@triton.jit
-def _sanitized_cu(cu_ptr, i, num_requests, num_nodes, CU_BLOCK: tl.constexpr):
-    """cu'[i] = clamp(max(cu[0..i]), 0, N): a malformed (decreasing) cu reads as empty requests."""
-    best = tl.zeros([], tl.int64)
-    for start in range(0, i + 1, CU_BLOCK):
-        idx = start + tl.arange(0, CU_BLOCK)
-        vals = tl.load(cu_ptr + idx, mask=idx <= i, other=0).to(tl.int64)
-        best = tl.maximum(best, tl.max(vals, 0))
-    return tl.minimum(tl.maximum(best, 0), num_nodes)
-
-
-@triton.jit
-def _owner_request(cu_ptr, row, num_requests, CU_BLOCK: tl.constexpr):
-    """The request whose node range holds ``row`` under the sanitized offsets cu' (running max):
-    one less than the first index i with cu[i] > row (then cu'[j] > row for all j >= i). The
-    caller still checks that the row lies in that request's range."""
-    first = tl.full([], 2147483647, tl.int32)
-    for start in range(0, num_requests + 1, CU_BLOCK):
-        idx = start + tl.arange(0, CU_BLOCK)
-        vals = tl.load(cu_ptr + idx, mask=idx <= num_requests, other=-1).to(tl.int64)
-        first = tl.minimum(first, tl.min(tl.where((idx <= num_requests) & (vals > row), idx, 2147483647), 0))
-    first = tl.minimum(first, num_requests + 1)
-    return tl.maximum(first - 1, 0)
+# Unfiltered tree calls take the chain kernel's register cap too: the stream is the chain
+# kernel's (``stream.stream_split``), whose loop is written for that cap (DECISIONS.md,
+# "triton-tree-on-chain-stream").
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -150,7 +105,7 @@ def _residual_mass(row_ptr, p_ptr, vocab_size, row_max, row_sum, k, a, thr, BLOC
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         in_row = offs < vocab_size
-        lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+        lg = sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
         if FILTERED:
             lg = tl.where(lg >= thr, lg, float("-inf"))
         q = tl.exp2((lg - row_max) * k) / row_sum
@@ -180,7 +135,7 @@ def _tree_final_token(
             for ch in range(0, num_chunks):
                 offs = ch * CHUNK + lane
                 in_row = offs < vocab_size
-                lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+                lg = sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
                 if FILTERED:
                     lg = tl.where(lg >= thr, lg, float("-inf"))
                 q = tl.exp2((lg - row_max) * k) / row_sum
@@ -210,7 +165,7 @@ def _tree_final_token(
                     if cj > 0:
                         ch = tj // CHUNK
                         offs = ch * CHUNK + lane
-                        lg = _sanitize(tl.load(row_ptr + offs, mask=offs < vocab_size,
+                        lg = sanitize(tl.load(row_ptr + offs, mask=offs < vocab_size,
                                                other=float("-inf")).to(tl.float32))
                         if FILTERED:
                             lg = tl.where(lg >= thr, lg, float("-inf"))
@@ -219,15 +174,15 @@ def _tree_final_token(
                         out = _is_child_token(offs, tokens_ptr, parents_ptr, cu_lo, n, v, vocab_size, NODE_BLOCK)
                         w = tl.where(c == ch, tl.sum(tl.where(out, 0.0, wl), 0), w)
         score = tl.log2(w) + (m - row_max) * k
-    w0, w1 = _philox_words(seed, offset, STREAM_SAMPLE, v, c)
-    score = tl.where(w > 0.0, score - tl.log2(-tl.log2(_open_uniform(w1))), float("-inf"))
+    w0, w1 = philox_words(seed, offset, STREAM_SAMPLE, v, c)
+    score = tl.where(w > 0.0, score - tl.log2(-tl.log2(open_uniform(w1))), float("-inf"))
     best = tl.max(score, 0)
     chunk = tl.min(tl.where(score == best, c, 2147483647), 0)
     chunk = tl.where(best > float("-inf"), chunk, -1)
     # Inverse CDF inside the winning chunk, with the same weights.
     offs = chunk * CHUNK + lane
     in_row = (offs < vocab_size) & (chunk >= 0)
-    lg = _sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
+    lg = sanitize(tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32))
     if FILTERED:
         lg = tl.where(lg >= thr, lg, float("-inf"))
     q = tl.exp2((lg - row_max) * k) / row_sum
@@ -242,8 +197,8 @@ def _tree_final_token(
                           0.0, wl)
     prefix = tl.cumsum(wl, 0)
     total = tl.max(prefix, 0)
-    u0, u1 = _philox_words(seed, offset, STREAM_SAMPLE, v, chunk)
-    token = tl.min(tl.where((wl > 0.0) & (prefix >= _uniform(u0) * total), offs, 2147483647), 0)
+    u0, u1 = philox_words(seed, offset, STREAM_SAMPLE, v, chunk)
+    token = tl.min(tl.where((wl > 0.0) & (prefix >= uniform(u0) * total), offs, 2147483647), 0)
     return tl.where((chunk >= 0) & (token < 2147483647), token, -1)
 
 
@@ -262,7 +217,7 @@ def _tree_rejection_sample_kernel(
     CHUNK: tl.constexpr, GROUP: tl.constexpr, NODE_BLOCK: tl.constexpr, CU_BLOCK: tl.constexpr,
     STREAM_ACCEPT: tl.constexpr, STREAM_SAMPLE: tl.constexpr,
     HAS_FILTERS: tl.constexpr,
-    HALVES: tl.constexpr = False, ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     FAST_EXP: tl.constexpr = False,  # unfiltered calls only (the launcher's rule)
 ):
     NEG_INF: tl.constexpr = float("-inf")
@@ -271,23 +226,23 @@ def _tree_rejection_sample_kernel(
     # Phase-1 units are (node row, split); the others one per request (below).
     row = (unit // num_splits).to(tl.int64)
     s_idx = unit % num_splits
-    # Phase 1 streams the chain kernel's way (``_stream_split``).
-    lane, chunk_in_group = _tile_lanes(CHUNK, GROUP, HALVES)
+    # Phase 1 streams the chain kernel's way (``stream_split``).
+    lane, chunk_in_group = tile_lanes(CHUNK, GROUP)
     first_raw = None
     first_raw_hi = None
     if not HAS_FILTERS:
         # A unit's row is known before its request: the split's first tile is loaded before the
         # request's offsets are searched (a unit past phase 1 loads nothing).
-        first_raw, first_raw_hi = _first_tile(logits_ptr + row * logits_row_stride, s_idx * groups_per_split, lane,
-                                              chunk_in_group, vocab_size, unit < units_phase1, CHUNK, GROUP, HALVES)
+        first_raw, first_raw_hi = first_tile(logits_ptr + row * logits_row_stride, s_idx * groups_per_split, lane,
+                                              chunk_in_group, vocab_size, unit < units_phase1, CHUNK, GROUP)
     if unit < units_phase1:
-        b = _owner_request(cu_ptr, row, num_requests, CU_BLOCK)
+        b = owner_request(cu_ptr, row, num_requests, CU_BLOCK)
     else:
         row = tl.full([], -1, tl.int64)
         s_idx = 0
         b = unit - units_phase1
-    cu_lo = _sanitized_cu(cu_ptr, b, num_requests, num_nodes, CU_BLOCK)
-    n = _sanitized_cu(cu_ptr, b + 1, num_requests, num_nodes, CU_BLOCK) - cu_lo
+    cu_lo = sanitized_cu(cu_ptr, b, num_requests, num_nodes, CU_BLOCK)
+    n = sanitized_cu(cu_ptr, b + 1, num_requests, num_nodes, CU_BLOCK) - cu_lo
     if b < num_requests:
         if HAS_TEMPERATURE:
             temp = tl.load(temperature_ptr + b).to(tl.float32)
@@ -319,19 +274,19 @@ def _tree_rejection_sample_kernel(
             table_w_row = table_w_ptr + row * num_chunks
             # Sampling filters: logits below the row's threshold count as -inf, chunks whose
             # max is below it are not read, and a row whose whole kept set the threshold pass
-            # held (kept_z > 0) is not read at all (triton_filters.py).
+            # held (kept_z > 0) is not read at all (``filters``).
             thr_row = _node_threshold(thr_ptr, row, HAS_FILTERS)
             kept_z = tl.zeros([], tl.float32)
             if HAS_FILTERS:
                 kept_z = tl.load(kept_z_ptr + row)
             if kept_z > 0.0:
-                # Its statistics are the pass's, its chunk table too (``_row_table``).
-                m_run, s_run, am_run = _kept_set_record(kept_m_ptr, kept_z, row, s_idx)
+                # Its statistics are the pass's, its chunk table too (``row_table``).
+                m_run, s_run, am_run = kept_set_record(kept_m_ptr, kept_z, row, s_idx)
             else:
-                m_run, s_run, am_run = _stream_split(
+                m_run, s_run, am_run = stream_split(
                     row_ptr, True, g_lo, g_hi, vocab_size, cmax_ptr + row * num_chunks, thr_row, lane,
                     chunk_in_group, k, greedy, tl.full([], -1, tl.int32), table_m_row, table_w_row, num_chunks,
-                    CHUNK, GROUP, HAS_FILTERS, first_raw, not HAS_FILTERS, first_raw_hi, HALVES, ASM_TABLE,
+                    CHUNK, GROUP, HAS_FILTERS, first_raw, not HAS_FILTERS, first_raw_hi, ASM_TABLE,
                     PREFETCH, FAST_EXP)
             rec = row * num_splits + s_idx
             tl.store(rec_m_ptr + rec, m_run)
@@ -357,12 +312,12 @@ def _tree_rejection_sample_kernel(
                 x = tl.load(tokens_ptr + cu_lo + cand).to(tl.int64)
                 x_ok = (x >= 0) & (x < vocab_size)
                 vrow = cu_lo + v
-                lx = _sanitize(tl.load(logits_ptr + vrow * logits_row_stride + x, mask=x_ok,
+                lx = sanitize(tl.load(logits_ptr + vrow * logits_row_stride + x, mask=x_ok,
                                        other=NEG_INF).to(tl.float32))
                 q_x = tl.where(x_ok & (lx > NEG_INF) & (row_max > NEG_INF) & (lx >= thr),
                                tl.exp2((lx - row_max) * k) / row_sum, 0.0)
-                a0, a1 = _philox_words(seed, offset, STREAM_ACCEPT, cand, 0)
-                u = _uniform(a0)
+                a0, a1 = philox_words(seed, offset, STREAM_ACCEPT, cand, 0)
+                u = uniform(a0)
                 dup = x < -1
                 if greedy:
                     accept = x_ok & (x == argmax)
@@ -401,7 +356,7 @@ def _tree_rejection_sample_kernel(
             token = argmax
             if not greedy:
                 vrow = cu_lo + v
-                table_m_row, table_w_row = _row_table(table_m_ptr, table_w_ptr, vrow, cmax_ptr, kept_w_ptr,
+                table_m_row, table_w_row = row_table(table_m_ptr, table_w_ptr, vrow, cmax_ptr, kept_w_ptr,
                                                       kept_z_ptr, vrow, num_chunks, HAS_FILTERS)
                 token = _tree_final_token(
                     logits_ptr + vrow * logits_row_stride, draft_probs_ptr + vrow * draft_probs_row_stride,
@@ -438,10 +393,13 @@ def tree_rejection_sample_triton(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    config: _config.VerifyConfig | None = None,
+    filter_config: _config.FilterConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the fused tree kernel (after the threshold pass of triton_filters.py when a filter
-    is given) on validated inputs (unit stride along the vocabulary)."""
-    from .triton_filters import launch_row_thresholds, threshold_workspace_sizes
+    """Launch the fused tree kernel (after the threshold pass of ``filters`` when a filter is
+    given) on validated inputs (unit stride along the vocabulary). ``config`` /
+    ``filter_config``: launch parameters (None = ``config.active()``)."""
+    cfg = config or _config.active()[0]
     device = target_logits.device
     N, V = target_logits.shape
     B = cu_num_nodes.shape[0] - 1
@@ -452,21 +410,23 @@ def tree_rejection_sample_triton(
     if B == 0:
         return out_tokens, out_nodes, num_accepted
     num_chunks = triton.cdiv(max(V, 1), SAMPLE_CHUNK)
-    num_groups = triton.cdiv(num_chunks, GROUP)
-    num_splits, groups_per_split = _row_split(device, N, num_groups, num_splits)
+    num_groups = triton.cdiv(num_chunks, cfg.group)
+    num_splits, groups_per_split = row_split(device, N, num_groups, num_splits,
+                                             cfg.programs_per_sm or PROGRAMS_PER_SM)
     units_phase1 = N * num_splits
     n_table = N * num_chunks
     n_f32 = 2 * units_phase1 + 2 * n_table + B * num_chunks
     # Sampling filters: the threshold pass's workspace follows (per node row).
     has_filters = top_k is not None or top_p is not None or min_p is not None
-    flt_f32, flt_i32 = threshold_workspace_sizes(N, num_groups, num_chunks) if has_filters else (0, 0)
-    f32, i32, counters = _workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1)
+    flt_f32, flt_i32 = threshold_workspace_sizes(N, num_groups, num_chunks, filter_config) if has_filters else (0, 0)
+    f32, i32, counters = workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, B + 1)
     filt = (f32,) * 5  # unused without filters
     if has_filters:
         filt = launch_row_thresholds(
             f32[n_f32:n_f32 + flt_f32], i32[units_phase1:units_phase1 + flt_i32], target_logits, cu_num_nodes,
             temperature, top_k, top_p, min_p, tree=True, num_requests=B, slots=N, max_rows=1,
-            num_splits=num_splits, num_groups=num_groups, num_warps=NUM_WARPS, cu_block=CU_BLOCK)
+            num_splits=num_splits, num_groups=num_groups, num_warps=cfg.num_warps, cu_block=CU_BLOCK,
+            config=filter_config)
     rec_m = f32[:units_phase1]
     rec_s = f32[units_phase1:2 * units_phase1]
     table_m = f32[2 * units_phase1:2 * units_phase1 + n_table]
@@ -489,15 +449,14 @@ def tree_rejection_sample_triton(
         DEPTH_PAD=triton.next_power_of_2(D + 1),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-        CHUNK=SAMPLE_CHUNK, GROUP=GROUP, NODE_BLOCK=NODE_BLOCK, CU_BLOCK=CU_BLOCK,
+        CHUNK=SAMPLE_CHUNK, GROUP=cfg.group, NODE_BLOCK=NODE_BLOCK, CU_BLOCK=CU_BLOCK,
         STREAM_ACCEPT=STREAM_ACCEPT, STREAM_SAMPLE=STREAM_SAMPLE,
         HAS_FILTERS=has_filters,
-        HALVES=HALVES,
-        ASM_TABLE=asm_table_enabled(device),
-        PREFETCH=prefetch_tiles(device, target_logits.dtype),
-        FAST_EXP=FAST_EXP and not has_filters,
-        num_warps=NUM_WARPS,
-        **({"maxnreg": MAXNREG} if TREE_MAXNREG and MAXNREG > 0 and not has_filters else {}),
+        ASM_TABLE=asm_table_enabled(device, cfg.asm_table),
+        PREFETCH=prefetch_tiles(device, target_logits.dtype, cfg.prefetch),
+        FAST_EXP=not has_filters,
+        num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg > 0 and not has_filters else {}),
     )
     return out_tokens, out_nodes, num_accepted
 

@@ -1,6 +1,7 @@
 """Kernels behind ``torch.ops.specdec.*`` that live in Python, and the fake implementations.
 
-The schemas are defined once, in C++ (csrc/ops.cpp). Registered here, for each op:
+Registrations only: the schemas are defined once, in C++ (csrc/ops.cpp). Registered here, for
+each op:
 - CPU: the reference (specdec_kernels.reference) in float64;
 - Meta/fake: output shapes only, for torch.compile and FakeTensor tracing;
 - CUDA: the fused Triton kernel, unless the C++ extension has a fused CUDA kernel for the op
@@ -16,6 +17,7 @@ import torch
 from . import _C  # noqa: F401  (loads the schemas, and the CUDA kernels when built)
 from .checks import check_rejection_sample_inputs, check_tree_rejection_sample_inputs
 from .reference import rejection_sample_reference, tree_rejection_sample_reference
+from .reference.philox import draw_seeds
 
 REJECTION_SAMPLE = "specdec::rejection_sample"
 TREE_REJECTION_SAMPLE = "specdec::tree_rejection_sample"
@@ -27,8 +29,10 @@ for _name in ("rejection_sample", "tree_rejection_sample"):
             "Python package; rebuild it (pip install --no-build-isolation -e .)")
 
 try:
-    from .triton_rejection_sample import rejection_sample_triton
-    from .triton_tree_rejection_sample import tree_rejection_sample_triton
+    from .triton.chain import rejection_sample_triton
+    from .triton.common import inner_contiguous
+    from .triton.filters import chain_row_thresholds, tree_row_thresholds
+    from .triton.tree import tree_rejection_sample_triton
     TRITON_IMPORT_ERROR: str | None = None
 except ImportError as e:  # triton is an optional dependency
     rejection_sample_triton = tree_rejection_sample_triton = None
@@ -43,19 +47,6 @@ _CUDA_BUILT = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
 def cuda_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
     """True when the fused CUDA C++ kernel of ``op`` was compiled into specdec_kernels._C."""
     return _CUDA_BUILT[op]
-
-
-def draw_seeds(batch: int, device: torch.device) -> torch.Tensor:
-    """Per-request seeds from torch's generator on ``device`` (one small RNG launch)."""
-    return torch.randint(-(2**63), 2**63 - 1, (batch,), dtype=torch.int64, device=device)
-
-
-def inner_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Kernels take any row stride but need unit stride along the last dim (the vocabulary of
-    2-D inputs, the only dim of 1-D ones); anything else is copied."""
-    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
-        return t
-    return t.contiguous()
 
 
 def triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
@@ -186,7 +177,6 @@ def _rejection_sample_cuda_filters(target_logits, draft_token_ids, cu_num_draft_
     _cuda_filters_unavailable(REJECTION_SAMPLE)
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
-    from .triton_filters import chain_row_thresholds
     # Deterministic drafts leave the draft out of row t's kept-set chunk table, as the kernel's
     # stream leaves it out of its own.
     rows = chain_row_thresholds(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, max_spec_len,
@@ -202,7 +192,6 @@ def _tree_rejection_sample_cuda_filters(target_logits, tokens, parents, cu_num_n
     _cuda_filters_unavailable(TREE_REJECTION_SAMPLE)
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                        temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
-    from .triton_filters import tree_row_thresholds
     thr = tree_row_thresholds(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p).thr
     return torch.ops.specdec._tree_rejection_sample_cuda_filtered(
         target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth, thr)

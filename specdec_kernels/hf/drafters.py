@@ -1,4 +1,4 @@
-"""Drafters for ``specdec_kernels.hf.speculative_generate`` beyond the two of ``hf.py``.
+"""Drafters for ``specdec_kernels.hf.speculative_generate`` beyond the two of ``speculative``.
 
 - ``EarlyExitDrafter``: self-speculative drafting with the target's own first layers. The
   draft is the target truncated after ``exit_layer`` decoder layers, followed by the target's
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .hf import (Drafter, DraftChain, DraftTokenTree, ModelDrafter, PromptLookupDrafter, SamplingParams, TreeDrafter,
+from .speculative import (Drafter, DraftChain, DraftTokenTree, ModelDrafter, PromptLookupDrafter, SamplingParams, TreeDrafter,
                  TreeSpec)
 
 __all__ = ["DRAFTER_NAMES", "EarlyExitDrafter", "ModelDrafter", "PromptLookupDrafter", "RecordingDrafter",
@@ -124,7 +124,7 @@ class EarlyExitDrafter(ModelDrafter):
     those layers for the drafted tokens. Sharing them (LayerSkip's self-speculation) would let
     the verify forward start after layer ``exit_layer`` for the drafts and drop the draft's
     cache memory; that needs the engine to pass layer states and caches between drafter and
-    target, which ``hf.py`` does not do yet.
+    target, which ``speculative`` does not do yet.
     """
 
     def __init__(self, target, exit_layer: int | None = None):
