@@ -226,14 +226,15 @@ def plot_tuning(plt, rows, out, only=None):
         if only and exp != only:
             continue
         sel = [r for r in rows if r["experiment"] == exp and r["mode"] in ("graph", "kernel")]
-        groups = sorted({(r["card"], r["op"], inputs(r) + (f", {r['filters']}" if r.get("filters") else ""))
-                         for r in sel})
+        def group(r):
+            return r["card"], r["op"], inputs(r) + (f", {r['filters']}" if r.get("filters") else "")
+
+        groups = sorted({group(r) for r in sel})
         if not groups:
             continue
         fig, axes = panels(plt, len(groups))
         for ax, (card, op, pair) in zip(axes, groups):
-            here = [r for r in sel if (r["card"], r["op"],
-                                       inputs(r) + (f", {r['filters']}" if r.get("filters") else "")) == (card, op, pair)]
+            here = [r for r in sel if group(r) == (card, op, pair)]
             for (variant, commit), pts in sorted(series(here, lambda r: (r["variant"], r["commit"])).items()):
                 label = f"{variant[:60]} ({commit[:24]})"
                 if len(pts) == 1:
