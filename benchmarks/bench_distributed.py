@@ -24,8 +24,10 @@ same outputs and that they equal the single-device op's on the gathered logits (
 matches when all its outputs match; float near-ties may flip a rare one), and counts the
 host synchronizations inside one vocab-parallel call (torch.cuda.set_sync_debug_mode).
 
-Writes <out>/bench_distributed.csv (card, torch / NCCL / CUDA versions and commit on every
-row) and <out>/bench_distributed.md, and prints the table.
+Writes <out>/bench_distributed.csv (the long format of results_csv.py: one row per timed thing
+and mode -- backend vocab-parallel, all-gather + <op backend>, all-gather alone; graph / eager --
+with card, versions, NCCL, TP and commit; append it to benchmarks/results/distributed.csv with
+`python benchmarks/results_csv.py append`) and <out>/bench_distributed.md, and prints the table.
 
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out bench_out
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out bench_out --graph
@@ -38,16 +40,16 @@ row) and <out>/bench_distributed.md, and prints the table.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
+
+import results_csv  # benchmarks/results_csv.py: the script's directory is on sys.path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import specdec_kernels  # noqa: E402
@@ -122,13 +124,7 @@ def make_inputs(op, batch, k, vocab, dtype, probs, seed, device, tree_parents):
 
 
 def versions(device) -> dict:
-    commit = os.environ.get("SPECDEC_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL,
-                                             cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
-        except Exception:
-            commit = "unknown"
+    commit = results_csv.commit()  # $SPECDEC_COMMIT, else the checkout's HEAD
     cuda = device.type == "cuda"
     nccl = "-"
     if cuda:
@@ -396,11 +392,7 @@ def main():
                     torch.cuda.empty_cache()
 
     if rank == 0:
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(os.path.join(args.out, "bench_distributed.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
+        results_csv.write(os.path.join(args.out, "bench_distributed.csv"), result_rows(rows))
         table = markdown_table(rows, info, world)
         with open(os.path.join(args.out, "bench_distributed.md"), "w") as f:
             f.write(table)
@@ -408,6 +400,26 @@ def main():
     dist.barrier()
     if not args.graph:  # destroying a group after NCCL graph capture can hang (pytorch#115388)
         dist.destroy_process_group()
+
+
+def result_rows(rows: list[dict]) -> list[dict]:
+    """The rows in the long format of results_csv: one row per timed thing and mode. Every row has
+    the same columns (the graph columns empty without --graph), so runs concatenate."""
+    run = results_csv.run_info("distributed")
+    out = []
+    for r in rows:
+        base = dict(run, card=r["card"], torch=r["torch"], cuda=r["cuda"], commit=r["commit"], op=r["op"],
+                    method="token", B=r["B"], K=r["K"] if r["op"] == "chain" else "", nodes=r["nodes_per_request"],
+                    V=r["V"], logits_dtype=r["logits_dtype"], draft_probs=r["draft_probs"], floor_us="",
+                    tp=r["world"], nccl=r["nccl"], vp_path=r["vp_path"], single_backend=r["single_backend"],
+                    matched=r["matched"], ranks_agree=r["ranks_agree"], vp_host_syncs=r["vp_host_syncs"])
+        for backend, times in (("vocab-parallel", {"graph": "vp_graph_us", "eager": "vp_us"}),
+                               (f"all-gather + {r['single_backend']}", {"graph": "gather_graph_us",
+                                                                        "eager": "gather_us"}),
+                               ("all-gather alone", {"eager": "allgather_us"})):
+            out += results_csv.long_rows([dict(base, backend=backend, **{k: r.get(k) for k in times.values()})],
+                                         times)
+    return out
 
 
 def markdown_table(rows, info, world) -> str:

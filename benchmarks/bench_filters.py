@@ -28,7 +28,10 @@ SPECDEC_TRITON_* variables set the configs of the whole run (``config.from_env``
     python benchmarks/bench_filters.py --out bench_out --knobs    # + the knob sweep
     python benchmarks/bench_filters.py --out bench_out --batches 1,8,32,128 --scale 2,4
 
-Writes <out>/bench_filters.csv (card, versions and commit on every row) and <out>/bench_filters.md.
+Writes <out>/bench_filters.csv (the long format of results_csv.py, one row per time: the filter
+setting in `filters`, a knob run's settings in `variant`; append it to
+benchmarks/results/filters.csv with `python benchmarks/results_csv.py append`) and
+<out>/bench_filters.md.
 """
 from __future__ import annotations
 
@@ -44,6 +47,27 @@ import specdec_kernels  # noqa: E402
 from specdec_kernels.triton import config  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
     DTYPES, copy_bandwidth, floor_us, make_inputs, time_eager, time_graph, versions, write_csv)
+import results_csv  # noqa: E402
+
+# The script's row names ("triton k50 p0.9 cap=64") -> results_csv's backend column.
+BACKEND_PREFIXES = (("sort+triton", "sort pipeline + triton"), ("sort only", "sort pipeline"),
+                    ("triton", "triton"), ("cuda", "cuda"))
+
+
+def result_rows(rows: list[dict]) -> list[dict]:
+    """The rows in the long format of results_csv: the name split into backend, filter setting
+    (`filters`) and knob run (in `variant`), one row per timing mode."""
+    run = results_csv.run_info("filters")
+    out = []
+    for r in rows:
+        name = r["variant"]
+        prefix, backend = next(p for p in BACKEND_PREFIXES if name.startswith(p[0]))
+        words = name[len(prefix):].split()
+        knob = " ".join(w for w in words if "=" in w)
+        variant = "; ".join(x for x in (run["variant"], knob and f"knobs {knob}") if x)
+        out.append(dict(run, **dict(r, variant=variant), backend=backend, op="chain", method="token",
+                        filters=" ".join(w for w in words if "=" not in w) or "unfiltered"))
+    return results_csv.long_rows(out, {"graph": "graph_us", "eager": "eager_us"}, drop=("graph_over_floor",))
 
 FILTER_SETTINGS = {
     # name: (top_k, top_p, min_p); None = the argument not passed
@@ -255,7 +279,7 @@ def main():
                 del sets
                 torch.cuda.empty_cache()
 
-    write_csv(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.csv"), rows)
+    write_csv(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.csv"), result_rows(rows))
     lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
              f"triton {info['triton']}, commit {info['commit']}. K = {k}, V = {args.vocab}. Times in us; graph = GPU time per call in a "
              "CUDA graph; (x) = graph time over the unfiltered Triton graph time (the bar: <= 2x for k50 p0.9).", "",

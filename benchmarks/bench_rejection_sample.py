@@ -12,8 +12,10 @@ probabilities given or not, verification method) it reports:
   includes the Python wrapper and the launch when they exceed the GPU time;
 - ratios to the floor and the speedup over the straightforward PyTorch pipeline.
 
-Writes <out>/bench_rejection_sample.csv (card, versions and commit on every row),
-<out>/bench_rejection_sample.md (the table) and <out>/bench_rejection_sample.png.
+Writes <out>/bench_rejection_sample.csv (the long format of results_csv.py: one row per time, with
+card, versions and commit; append it to benchmarks/results/chain.csv with
+`python benchmarks/results_csv.py append`), <out>/bench_rejection_sample.md (the table) and
+<out>/bench_rejection_sample.png.
 
     python benchmarks/bench_rejection_sample.py --out bench_out            # the core table
     python benchmarks/bench_rejection_sample.py --sweep full --out bench_out
@@ -24,10 +26,8 @@ The PyTorch pipeline (and FlashInfer) verify token by token: they are timed in t
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
-import subprocess
 import sys
 
 import torch
@@ -38,25 +38,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
 from specdec_kernels.triton import config as triton_config  # noqa: E402
 from torch_pipeline import flashinfer_pipeline, torch_pipeline  # noqa: E402
+import results_csv  # noqa: E402
 
-# Anchors measured on one H200 (copy 4.26 TB/s), K=4, V=128256 -- ../shared/DESIGN.md §4.
-# (B -> microseconds.) Quoted, not re-measured here.
+# Anchors measured on one H200 (copy 4.25 TB/s), K=4, V=128256 -- ../shared/DESIGN.md §4 (also the
+# quoted rows of benchmarks/results/chain.csv). (B -> microseconds.) Quoted, not re-measured here.
 ANCHORS_H200 = {
-    "vLLM MRV2 graph (bf16, no draft)": {1: 10.5, 8: 17.6, 32: 43, 64: 79, 128: 147},
-    "vLLM MRV2 eager (bf16, no draft)": {1: 187, 8: 94, 32: 94, 64: 99, 128: 161},
-    "FlashInfer softmax+chain (fp32 + draft)": {1: 64.6, 8: 109, 32: 169, 64: 272, 128: 399},
-    "vLLM V1 (bf16 + fp32 draft)": {1: 191, 8: 241, 32: 469, 64: 794, 128: 1474},
+    "vLLM MRV2 graph (bf16, no draft)": {1: 11.5, 8: 19.4, 32: 38.2, 64: 62.9, 128: 112.8},
+    "vLLM MRV2 eager (bf16, no draft)": {1: 133, 8: 133, 32: 141, 64: 300, 128: 294},
+    "FlashInfer softmax+chain graph (fp32 + draft)": {1: 59.8, 8: 99.4, 32: 163.8, 64: 260.2, 128: 387.9},
+    "vLLM V1 graph (bf16 + fp32 draft)": {1: 179, 8: 231, 32: 449, 64: 758, 128: 1433},
 }
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    """The rows as CSV, columns in the order of their first appearance."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        w.writeheader()
-        w.writerows(rows)
+    """Long-format rows (results_csv.COLUMNS first) as CSV."""
+    results_csv.write(path, rows)
 
 
 def copy_bandwidth() -> float:
@@ -135,15 +133,8 @@ def floor_us(batch, k, vocab, dtype, draft_probs, bandwidth, method="token") -> 
 
 
 def versions() -> dict:
-    commit = os.environ.get("SPECDEC_COMMIT")  # copies without .git (the GPU machine) pass it
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL,
-                                             cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
-        except Exception:
-            commit = "unknown"
-    return dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, commit=commit)
+    """card, torch, triton, cuda, commit ($SPECDEC_COMMIT, else the checkout's HEAD): results_csv.versions."""
+    return results_csv.versions()
 
 
 def configs(sweep: str):
@@ -211,7 +202,10 @@ def main():
         torch.cuda.empty_cache()
 
     csv_path = os.path.join(args.out, "bench_rejection_sample.csv")
-    write_csv(csv_path, rows)
+    run = results_csv.run_info("chain")
+    write_csv(csv_path, results_csv.long_rows([dict(run, op="chain", **r) for r in rows],
+                                              {"graph": "graph_us", "eager": "eager_us"},
+                                              drop=("graph_over_floor", "eager_over_floor")))
     table = markdown_table(rows, info, bandwidth)
     with open(os.path.join(args.out, "bench_rejection_sample.md"), "w") as f:
         f.write(table)

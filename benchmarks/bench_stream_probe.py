@@ -21,9 +21,10 @@ input sets, so their time is what the harness gives a kernel that only streams t
 The draft rows read are draft_probs[b * K] (the first draft row of each request), laid at stride
 K * V like the rows the op reads. Shapes: K = 4, V = 128256, B in 1..128, bf16 logits without
 draft probabilities and fp32 logits with fp32 draft probabilities. The op (CUDA and Triton
-backends) is timed in the same process. Writes <out>/stream_probe.csv (card, versions, commit,
-each probe's best time and config, the whole sweep), stream_probe.md (the table) and
-stream_probe.png.
+backends) is timed in the same process. Writes <out>/stream_probe.csv (the long format of
+results_csv.py: one row per probe configuration (`config`, `best` marks the fastest) and per op
+backend; append it to benchmarks/results/stream_probe.csv with `python benchmarks/results_csv.py
+append`), stream_probe.md (the table) and stream_probe.png.
 
     python benchmarks/bench_stream_probe.py --out bench_out
     python benchmarks/bench_stream_probe.py --batches 32 --configs bf16 --no-ours --out /tmp/probe
@@ -41,6 +42,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_csv  # noqa: E402
 import bench_rejection_sample as chain_bench  # noqa: E402
 import specdec_kernels  # noqa: E402
 from specdec_kernels.triton.common import row_split as _row_split  # noqa: E402
@@ -297,6 +299,30 @@ def time_shape(batch, dtype, probs, bandwidth, cuda_module, backends, info, max_
     return row
 
 
+def result_rows(rows: list[dict]) -> list[dict]:
+    """The shapes' rows in the long format of results_csv: every probe configuration of the sweeps
+    (backend probe-triton / probe-cuda / probe-amax, `config`, `best` = the fastest of all) and each
+    op backend, graph-timed."""
+    run = results_csv.run_info("stream_probe")
+    out = []
+    for r in rows:
+        base = dict(run, **{k: r[k] for k in ("card", "torch", "triton", "cuda", "commit", "B", "K", "V",
+                                               "logits_dtype", "draft_probs", "floor_us", "bandwidth_TBps")},
+                    op="chain", method="token", MB=r["MB"], input_sets=r["input_sets"])
+        best = (r["best_probe"], {"triton": r["triton_config"], "cuda": r.get("cuda_probe_config"),
+                                  "amax": "torch.amax"}[r["best_probe"]])
+        timed = [("triton", *item.rsplit("=", 1)) for item in r["triton_sweep"].split()]
+        timed += [("cuda", *item.rsplit("=", 1)) for item in r["cuda_sweep"].split()]
+        timed.append(("amax", "torch.amax", r["amax_us"]))
+        for kind, config, us in timed:
+            out.append(dict(base, backend=f"probe-{kind}", config=config, best="yes" if (kind, config) == best else "",
+                            time_us=us))
+        for backend in ("cuda", "triton"):
+            if f"{backend}_op_us" in r:
+                out.append(dict(base, backend=backend, time_us=r[f"{backend}_op_us"]))
+    return results_csv.long_rows(out, {"graph": "time_us"})
+
+
 def markdown_table(rows, info, bandwidth, cuda_note) -> str:
     fmt = lambda r, key: f"{r[key]:.1f}" if key in r else "-"  # noqa: E731
     ratio = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
@@ -372,7 +398,7 @@ def main():
           flush=True)
     rows = [time_shape(int(b), *CONFIGS[c], bandwidth, cuda_module, backends, info, args.max_graph_calls)
             for c in args.configs.split(",") for b in args.batches.split(",")]
-    chain_bench.write_csv(os.path.join(args.out, "stream_probe.csv"), rows)
+    chain_bench.write_csv(os.path.join(args.out, "stream_probe.csv"), result_rows(rows))
     table = markdown_table(rows, info, bandwidth, cuda_note)
     with open(os.path.join(args.out, "stream_probe.md"), "w") as f:
         f.write(table)

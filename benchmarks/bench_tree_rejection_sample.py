@@ -12,7 +12,8 @@ dtype, draft probabilities given or not) and each fused backend (CUDA C++, Trito
   levels deep, as with a good drafter).
 
 No reference is run: only the kernels are timed. Writes <out>/bench_tree_rejection_sample.csv
-(card, versions and commit on every row) and <out>/bench_tree_rejection_sample.md.
+(the long format of results_csv.py, one row per time; append it to benchmarks/results/tree.csv
+with `python benchmarks/results_csv.py append`) and <out>/bench_tree_rejection_sample.md.
 
     python benchmarks/bench_tree_rejection_sample.py --out bench_out
     python benchmarks/bench_tree_rejection_sample.py --out bench_out --backends cuda --greedy
@@ -27,6 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_csv  # noqa: E402
 import specdec_kernels  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
     DTYPES, copy_bandwidth, time_eager, time_graph, versions, write_csv)
@@ -170,7 +172,11 @@ def main():
         del sets
         torch.cuda.empty_cache()
 
-    write_csv(os.path.join(args.out, "bench_tree_rejection_sample.csv"), rows)
+    run = results_csv.run_info("tree")
+    write_csv(os.path.join(args.out, "bench_tree_rejection_sample.csv"),
+              results_csv.long_rows([dict(run, op="tree", method="token", **r) for r in rows],
+                                    {"graph": "graph_us", "eager": "eager_us"},
+                                    drop=("graph_over_floor", "eager_over_floor")))
     table = markdown_table(rows, info, bandwidth)
     with open(os.path.join(args.out, "bench_tree_rejection_sample.md"), "w") as f:
         f.write(table)

@@ -17,12 +17,15 @@ downloaded. Each model that does not fit the card is skipped with a message.
 
     python benchmarks/bench_verify_share.py --out DIR      # CSV + markdown table in DIR
 
+The CSV is in the long format of results_csv.py: one row per timed part (target forward, draft
+steps, our op, the PyTorch pipeline; eager medians), `share` on the two samplers' rows; append it
+to benchmarks/results/verify_share.csv with `python benchmarks/results_csv.py append`.
+
 Needs transformers (present on the GPU machine).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -32,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import specdec_kernels  # noqa: E402
 from torch_pipeline import torch_pipeline  # noqa: E402
+import results_csv  # noqa: E402
 
 # (name, config kwargs): Llama-3.1-8B / Llama-3.2-1B shapes (vocabulary 128256, shared), and a
 # Qwen2.5-32B-shaped target with its vocabulary (152064) for the largest pair that fits 80 GB.
@@ -172,6 +176,24 @@ def measure_pair(target_name: str, draft_name: str, batches: list[int], k: int, 
     return rows
 
 
+def result_rows(rows: list[dict]) -> list[dict]:
+    """The rows in the long format of results_csv: one row per timed part, time in us."""
+    run = results_csv.run_info("verify_share")
+    out = []
+    for r in rows:
+        base = dict(run, card=r["card"], torch=r["torch"], op="chain", method="token", B=r["batch"], K=r["k"],
+                    V=r["vocab"], logits_dtype="bf16", draft_probs="fp32", mode="eager", target=r["target"],
+                    target_params_b=r["target_params_b"], draft=r["draft"], draft_params_b=r["draft_params_b"],
+                    prefix=r["prefix"])
+        for backend, key, share in (("target forward (HF, SDPA)", "target_forward_ms", None),
+                                    ("draft K steps (HF)", "draft_k_steps_ms", None),
+                                    (f"ours ({r['backend']})", "ours_ms", "ours_share"),
+                                    ("torch pipeline", "torch_pipeline_ms", "torch_pipeline_share")):
+            out.append(dict(base, backend=backend, time_us=round(1000 * r[key], 3),
+                            **({"share": r[share]} if share else {})))
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| card | target (B params) | draft | B | target forward ms | draft K steps ms | our op ms | "
              "share | torch pipeline ms | share |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -206,10 +228,7 @@ def main() -> int:
             print(f"skipped {pair}: does not fit ({str(error).splitlines()[0]})", flush=True)
             torch.cuda.empty_cache()
     if rows:
-        with open(os.path.join(args.out, "verify_share.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        results_csv.write(os.path.join(args.out, "verify_share.csv"), result_rows(rows))
         table = markdown(rows)
         with open(os.path.join(args.out, "verify_share.md"), "w") as f:
             f.write(table + "\n")

@@ -11,8 +11,10 @@ finalizer the outputs written. For each shape this runs the call eagerly `--runs
 reports medians over runs of: the launch spread (last CTA entry - first), per-stage durations
 (median and max over CTAs), when the last unit was counted, the finalizer's own time and the
 span from the first CTA's entry to the end; beside them the graph time per call (do_bench, no
-trace) of the same build. Writes a CSV of the per-run summaries, one of the raw marks of the
-last run per shape, and a PNG of those timelines.
+trace) of the same build. Writes a CSV of the per-run summaries in the long format of
+results_csv.py (one row per stage statistic, `stage`, mode trace; append it to
+benchmarks/results/trace.csv with `python benchmarks/results_csv.py append`), one of the raw marks
+of the last run per shape (with card, versions and commit), and a PNG of those timelines.
 
 A mark costs a global store from thread 0 (and makes thread 0 wait for the value it closes),
 so the traced kernel is a little slower than the shipped one; compare stages, not totals.
@@ -21,6 +23,7 @@ so the traced kernel is a little slower than the shipped one; compare stages, no
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import statistics
 import sys
@@ -29,8 +32,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rejection_sample as chain_bench  # noqa: E402
+import results_csv  # noqa: E402
 
 MARKS = ["entry", "request", "waited", "streamed", "combined", "counted", "finalized"]
+
+
+def result_rows(summaries: list[dict], k: int, vocab: int) -> list[dict]:
+    """The per-shape summaries in the long format of results_csv: the graph time of the traced build,
+    then one row per stage statistic (`stage`, mode trace)."""
+    run = results_csv.run_info("trace_chain_timeline")
+    out = []
+    for s in summaries:
+        base = dict(run, backend="cuda", op="chain", method="token", B=s["batch"], K=k, V=vocab,
+                    logits_dtype=s["logits"], draft_probs=s["draft_probs"], temperature=s["temperature"],
+                    ctas=s["ctas"], finalizers=s.get("finalizers", ""))
+        out.append(dict(base, stage="graph time of the traced build", mode="graph", time_us=round(s["graph_us"], 3)))
+        for key, value in s.items():
+            if key in ("card", "batch", "logits", "draft_probs", "temperature", "graph_us", "ctas", "finalizers"):
+                continue
+            if value == value:  # not NaN
+                out.append(dict(base, stage=key, mode="trace", time_us=round(value, 3)))
+    return out
 
 
 def summarize(trace: torch.Tensor) -> dict:
@@ -156,14 +178,18 @@ def main():
               f"finalize {med['finalize_med']:.2f}/{med['finalize_max']:.2f}"
               + (f" (records {med['fin_records_med']:.2f} decide {med['fin_decide_med']:.2f} outputs "
                  f"{med['fin_outputs_med']:.2f})" if "fin_records_med" in med else ""))
-    chain_bench.write_csv(args.out + ".csv", summaries)
+    chain_bench.write_csv(args.out + ".csv", result_rows(summaries, args.k, args.vocab))
     raw_rows = []
     for name, rows in raw.items():
         for r in rows.tolist():
             raw_rows.append({"shape": name, **{m: r[i] for i, m in enumerate(MARKS)},
                              "smid": r[7] & 0x7FFFFFFF, "phase": 2 if r[7] & 0x80000000 else 1,
                              "unit": r[7] >> 32})
-    chain_bench.write_csv(args.out + "_raw.csv", raw_rows)
+    info = results_csv.versions()
+    with open(args.out + "_raw.csv", "w", newline="") as f:  # raw marks, not results: card and versions first
+        w = csv.DictWriter(f, fieldnames=list(info) + list(dict.fromkeys(k for r in raw_rows for k in r)))
+        w.writeheader()
+        w.writerows(dict(info, **r) for r in raw_rows)
     plot(raw, args.out + ".png")
     print(f"wrote {args.out}.csv, {args.out}_raw.csv, {args.out}.png")
 

@@ -4,8 +4,10 @@ The CUDA plans split every target row into about `units_per_slot x resident CTAs
 units (csrc/kernels/*.cuh, plan_*). SPECDEC_CUDA_UNITS_PER_SLOT overrides the default; the
 extension reads it once per process, so this script times each value in a child process of
 its own, for the chain op (K = 4) and the tree op (64-node depth-6 trees), graph-timed like
-bench_rejection_sample.py, and writes tune_cuda_plan.csv. Also used to hand `--profile-one`
-shapes to ncu:
+bench_rejection_sample.py, and writes tune_cuda_plan.csv in the long format of results_csv.py
+(the run's SPECDEC_* switches in `knobs`; `SPECDEC_EXPERIMENT=<docs/DECISIONS.md heading>` labels
+the rows, and `python benchmarks/results_csv.py append --to benchmarks/results/tuning.csv` keeps
+them). Also used to hand `--profile-one` shapes to ncu:
 
     python benchmarks/tune_cuda_plan.py --out gpu_out
     ncu --clock-control none -k regex:rejection_sample --launch-skip 1 --launch-count 1 \
@@ -25,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_rejection_sample as chain_bench  # noqa: E402
 import bench_tree_rejection_sample as tree_bench  # noqa: E402
+import results_csv  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -103,7 +106,7 @@ def main():
         chain_bench.write_csv(os.path.join(args.out, "tune_cuda_plan.csv"), rows)
         return
     ups = args.units_per_slot
-    info = chain_bench.versions()
+    info = results_csv.run_info("tune_cuda_plan")
     bandwidth = chain_bench.copy_bandwidth()
     rows = []
     for shape in args.shapes.split(";"):
@@ -115,14 +118,16 @@ def main():
         fns = [make(op, batch, dtype, has_probs, s, args.vocab, backend) for s in range(n_sets)]
         fl = floor(op, batch, dtype, has_probs, args.vocab, bandwidth)
         us = chain_bench.time_graph(fns)
-        rows.append(dict(info, op=op, backend=backend, B=batch, logits_dtype=dtype, draft_probs=probs, V=args.vocab,
-                         units_per_slot=ups, floor_us=round(fl, 2), graph_us=round(us, 2),
-                         graph_over_floor=round(us / fl, 3)))
+        shape = dict(op="tree", method="token", B=batch, nodes=64) if op == "tree" else \
+            dict(op="chain", method="token", B=batch, K=4, **({"ragged": "yes"} if op == "ragged" else {}))
+        rows.append(dict(info, backend=backend, **shape, V=args.vocab, logits_dtype=dtype, draft_probs=probs,
+                         units_per_slot=ups, floor_us=round(fl, 2), graph_us=round(us, 2)))
         print(f"{op:5s} {backend:6s} B={batch:4d} {dtype} draft={probs:4s} units/slot {ups:>7s}: "
               f"{us:8.1f} us  floor {fl:7.1f}  ({us / fl:5.2f}x)", flush=True)
         del fns
         torch.cuda.empty_cache()
-    chain_bench.write_csv(os.path.join(args.out, "tune_cuda_plan.csv"), rows)
+    chain_bench.write_csv(os.path.join(args.out, "tune_cuda_plan.csv"),
+                          results_csv.long_rows(rows, {"graph": "graph_us"}))
 
 if __name__ == "__main__":
     main()
