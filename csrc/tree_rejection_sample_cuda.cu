@@ -243,13 +243,13 @@ std::vector<int64_t> tree_rejection_sample_plan(int64_t num_nodes, int64_t num_r
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("_tree_rejection_sample_plan(int num_nodes, int num_requests, int vocab, bool has_draft_probs, "
-        "int concurrent_ctas, int units_per_slot) -> int[]",
-        &tree_rejection_sample_plan);
-}
-
+// Schemas: csrc/ops.cpp. The ops with tensor arguments dispatch on their device (CUDA).
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("tree_rejection_sample", &tree_rejection_sample_cuda);
   m.impl("_tree_rejection_sample_cuda_filtered", &run_tree_rejection_sample);
+}
+
+// The tensor-free plan op: CompositeImplicitAutograd, as in chain_cuda.cu.
+TORCH_LIBRARY_IMPL(specdec, CompositeImplicitAutograd, m) {
+  m.impl("_tree_rejection_sample_plan", &tree_rejection_sample_plan);
 }
