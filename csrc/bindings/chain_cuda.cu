@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "kernels/rejection_sample.cuh"
-#include "binding_common.h"
+#include "bindings/common.h"
 
 namespace {
 
@@ -45,7 +45,7 @@ void check_device(const char* name, const at::Tensor& t, const at::Device& devic
 
 // Counters (int32) and record bytes of at least the given sizes on `device` (this op's cache).
 std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_counters, int64_t record_bytes) {
-  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 18);  // leaked on purpose (binding_common.h)
+  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 18);  // leaked on purpose (bindings/common.h)
   return cache->get(device, num_counters, record_bytes);
 }
 

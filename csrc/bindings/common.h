@@ -1,5 +1,5 @@
-// Host-side helpers shared by the torch bindings of the CUDA kernels (rejection_sample_cuda.cu,
-// tree_rejection_sample_cuda.cu): dtype and device checks, layout checks, the per-request
+// Host-side helpers shared by the torch bindings of the CUDA kernels (chain_cuda.cu,
+// tree_cuda.cu): dtype and device checks, layout checks, the per-request
 // kernel parameters and the cached per-device workspace. Each op keeps its own WorkspaceCache.
 // Included by the .cu bindings only (it pulls in a kernel header).
 #pragma once
