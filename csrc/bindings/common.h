@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/rejection_sample.cuh"  // the temperature dtype codes (kRsTemperature*)
+#include "kernels/common.cuh"  // the temperature dtype codes (kRsTemperature*)
 
 namespace specdec::binding {
 

@@ -29,10 +29,26 @@
 // The finalizer resets the counter, so the cached workspace is clean between calls (CUDA
 // graphs). Nothing ever waits on another CTA: no tickets, no deadlock.
 //
-// Streaming, staging and warp helpers are the chain kernel's (rejection_sample.cuh, rs_detail).
+// Streaming, staging, chunk sampling and warp helpers are shared with the chain kernel
+// (stream.cuh, elements.cuh, chunk_sampling.cuh, warp.cuh; namespace rs_detail).
 #pragma once
 
-#include "kernels/rejection_sample.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/chunk_sampling.cuh"
+#include "kernels/common.cuh"
+#include "kernels/elements.cuh"
+#include "kernels/pdl.cuh"
+#include "kernels/philox.cuh"
+#include "kernels/stream.cuh"
+#include "kernels/warp.cuh"
 
 // Tiles of 16-bit logits staged per CTA in phase 1 (tuning macro: SPECDEC_NVCC_FLAGS=-D...).
 #ifndef SPECDEC_TREE_STREAM_STAGES_16BIT
