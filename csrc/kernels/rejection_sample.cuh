@@ -361,31 +361,10 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   using Seg = Segment<T, kE>;
   if (rq.greedy) {
     store_draft_operands();
-    // Per-lane running max and its first index; a lane's entries come in increasing order.
-    float run_max = -INFINITY;
-    int run_arg = INT_MAX;
-    pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
-      float lane_max = -INFINITY;
-#pragma unroll
-      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(stream.segment(stage, h)));
-      const float m = fminf(lane_max, FLT_MAX);
-      if (m > run_max) {  // rare after the first tiles: find its first entry
-        int first = INT_MAX;
-#pragma unroll 1
-        for (int h = kRsLaneSegments - 1; h >= 0; --h) {
-          const Seg seg = stream.segment(stage, h);
-#pragma unroll
-          for (int j = kE - 1; j >= 0; --j) {
-            if (sanitize(segment_value(seg, j)) == m) first = entry_index(tile * kRsTileChunks + group, h, j);
-          }
-        }
-        run_max = m;
-        run_arg = first;
-      }
-    });
-    RS_TRACE(kRsTraceStreamed, __float_as_uint(run_max));
-    const float wm = warp_max(run_max);
-    const int arg = warp_min(run_max == wm ? run_arg : INT_MAX);
+    const LaneArgmax best = stream_lane_argmax(stream, tile_lo, tile_hi, issue);
+    RS_TRACE(kRsTraceStreamed, __float_as_uint(best.max));
+    const float wm = warp_max(best.max);
+    const int arg = warp_min(best.max == wm ? best.index : INT_MAX);
     if (lane == 0) {
       sm.reduce_max[warp] = wm;
       sm.reduce_index[warp] = arg;
