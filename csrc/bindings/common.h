@@ -163,9 +163,9 @@ class WorkspaceCache {
   std::vector<at::Tensor> retired_;
 };
 
-// Tuning knob for benchmarks (docs/PERF.md): SPECDEC_CUDA_UNITS_PER_SLOT=n makes the plans aim for
-// n work units per resident CTA instead of the kernels' own rules (passed to the plan functions as
-// units_per_slot_override). Read once per process (not on every call's path); unset, empty or not
+// Tuning knob for benchmarks (benchmarks/tune_cuda_plan.py): SPECDEC_CUDA_UNITS_PER_SLOT=n makes
+// the plans aim for n work units per resident CTA instead of the kernels' own rules (passed to the
+// plan functions as units_per_slot_override). Read once per process (not on every call's path); unset, empty or not
 // an integer in [1, 64] = 0, the shipped plan.
 inline int64_t units_per_slot_override() {
   static const int64_t override_value = [] {
@@ -178,8 +178,8 @@ inline int64_t units_per_slot_override() {
   return override_value;
 }
 
-// Programmatic dependent launch (docs/PERF.md "Launch overlap and warp reductions"): on sm_90
-// and newer the kernels are launched so that their CTAs become resident while the previous
+// Programmatic dependent launch (see docs/DECISIONS.md, 'Launch overlap and warp reductions'): on
+// sm_90 and newer the kernels are launched so that their CTAs become resident while the previous
 // kernel in the stream drains; they execute griddepcontrol.wait before reading or writing any
 // memory, so ordering is that of a plain launch. SPECDEC_CUDA_PDL=0 turns it off (read once per
 // process); older cards never use it. The capability is cached per device.

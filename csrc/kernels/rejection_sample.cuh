@@ -271,8 +271,9 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   // Uniform batches (every request has max_spec_len drafts: num_drafts == B * max_spec_len,
   // which well-formed offsets imply) hold row (b, t) at b (K + 1) + t and its draft at b K + t.
   // The first tiles and the draft id then go out with the request's fields rather than after
-  // them (a global round trip, 1-1.8 us); the fields confirm the guess, and a miss (malformed
-  // offsets only) waits for the guessed copies and issues the row's own.
+  // them (a global round trip; see docs/DECISIONS.md, 'Rows before offsets'); the fields
+  // confirm the guess, and a miss (malformed offsets only) waits for the guessed copies and
+  // issues the row's own.
   const bool uniform = !kFiltered && p.num_drafts == static_cast<int64_t>(p.num_requests) * p.max_spec_len;
   const int64_t guess_row = uniform && slot < p.num_rows ? slot : -1;
   const int64_t guess_draft = static_cast<int64_t>(b) * p.max_spec_len + t;

@@ -21,8 +21,8 @@ constexpr int kRsUnitsPerSlot = 2;
 // Batches whose rows alone fill a wave of resident CTAs aim at this many units per CTA instead
 // (plan_rejection_sample's shipped rules).
 constexpr int kRsUnitsPerSlotLarge = 4;
-// The longest units the one-wave rule makes (tiles; H100, bf16: with 3 it won at B = 8-16, tied at
-// 24 and lost at 20 and 32-48 with longer units).
+// The longest units the one-wave rule makes (tiles): the rule pays only while its units stay
+// this short (see docs/DECISIONS.md, 'One wave').
 constexpr int kRsOneWaveMaxTiles = 3;
 
 // One phase-1 unit's statistics of its split of a row: two 16-byte accesses.
@@ -139,18 +139,16 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 // instead and turns off the shipped rules; 0, the shipped plan:
 // - Large batches (num_rows >= concurrent_ctas) aim at kRsUnitsPerSlotLarge units per resident
 //   CTA: the last wave's tail is one unit long, and since units combine their parts with a warp
-//   (not thread 0) smaller units cost less than that tail. H100, bf16, no draft, units per slot
-//   2 -> 4 (tune_cuda_plan.py): B = 128 68.5 -> 66.7 us, B = 256 127.0 -> 122.8, fp32 + fp32
-//   draft B = 128 170.5 -> 169.0; B = 64 (320 rows, the rule off) would lose 39.9 -> 40.5.
-// - Small batches, one wave: without draft
-// probabilities, when those units overflow the resident CTAs but rows split at most twice as
-// coarsely, into units of at most kRsOneWaveMaxTiles tiles, fit in one wave, take that -- a
-// short second wave costs a whole unit's time, and each unit its fixed costs. E.g. B = 8,
-// K = 4, V = 128256 on 132 SMs: 640 one-tile units in two waves -> 320 two-tile units in one.
-// Longer units lose since units start by issuing their tiles (docs/PERF.md, "Rows before
-// offsets"): B = 32 480 six-tile units 25.1 us against 960 three-tile ones 23.6. With draft
-// probabilities the same rule (phase-1 units only) was faster at B = 8-16 and slower at
-// B = 24-32 on an H100, so it is off there (docs/PERF.md, "One wave").
+//   (not thread 0) smaller units cost less than that tail; below a full wave of rows the rule
+//   loses, so it is off there (see docs/DECISIONS.md, 'Finer units for large batches').
+// - Small batches, one wave: without draft probabilities, when those units overflow the
+//   resident CTAs but rows split at most twice as coarsely, into units of at most
+//   kRsOneWaveMaxTiles tiles, fit in one wave, take that -- a short second wave costs a whole
+//   unit's time, and each unit its fixed costs. E.g. B = 8, K = 4, V = 128256 on 132 SMs: 640
+//   one-tile units in two waves -> 320 two-tile units in one. Longer units lose, since units
+//   start by issuing their tiles (see docs/DECISIONS.md, 'Rows before offsets'). With draft
+//   probabilities the rule (phase-1 units only) does not pay at every batch size, so it is off
+//   there (see docs/DECISIONS.md, 'One wave').
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
                                                  int64_t concurrent_ctas, RsMethod method = kRsMethodToken,
