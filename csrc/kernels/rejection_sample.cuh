@@ -362,10 +362,15 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   using Seg = Segment<T, kE>;
   if (rq.greedy) {
     store_draft_operands();
-    const LaneArgmax best = stream_lane_argmax(stream, tile_lo, tile_hi, issue);
-    RS_TRACE(kRsTraceStreamed, __float_as_uint(best.max));
-    const float wm = warp_max(best.max);
-    const int arg = warp_min(best.max == wm ? best.index : INT_MAX);
+    // Per-lane running max and its first index (stream.cuh, greedy_tile).
+    float run_max = -INFINITY;
+    int run_arg = INT_MAX;
+    pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
+      greedy_tile(stream, tile, stage, group, run_max, run_arg);
+    });
+    RS_TRACE(kRsTraceStreamed, __float_as_uint(run_max));
+    const float wm = warp_max(run_max);
+    const int arg = warp_min(run_max == wm ? run_arg : INT_MAX);
     if (lane == 0) {
       sm.reduce_max[warp] = wm;
       sm.reduce_index[warp] = arg;

@@ -102,46 +102,35 @@ __device__ __forceinline__ void pipeline_tiles(int lo, int hi, Issue&& issue, Pr
   cp_async_wait<0>();
 }
 
-// A lane's share of a greedy row: the max of the sanitized logits it streamed (NaN dropped,
-// +inf read as FLT_MAX; -inf: none) and the lowest index holding it (INT_MAX: none).
-struct LaneArgmax {
-  float max;
-  int index;
-};
-
-// The greedy stream of both kernels: pipeline_tiles<kStages> over tiles [tile_lo, tile_hi) of
-// `stream` (issue(tile, stage): its copies, the first ones already issued by issue_first_tiles),
-// keeping per lane the running max and its first index. A lane's entries come in increasing
-// order, so only a new max (rare after the first tiles) looks for its first entry. No exp, no
-// table, no race; the caller reduces the lanes and the warps.
-template <typename T, int kStages, int kOffset, typename Issue>
-__device__ __forceinline__ LaneArgmax stream_lane_argmax(const TileStream<T, kStages, kOffset>& stream, int tile_lo,
-                                                         int tile_hi, Issue&& issue) {
+// One tile of the greedy stream, the process(tile, stage) step of pipeline_tiles for both
+// kernels' greedy rows: this lane's running max of the sanitized logits (NaN dropped, +inf read
+// as FLT_MAX) and the first index holding it. A lane's entries come in increasing order, so only
+// a new max looks for its first entry. No exp, no table, no race. group: this thread's chunk of
+// a tile (threadIdx.x / kRsChunkLanes). Callers keep the loop itself, pipeline_tiles with a
+// lambda calling this (a lambda defined inside a shared loop helper reorders two register
+// initializations in the SASS of some chain instances; this form compiles to the same SASS).
+template <typename T, int kStages, int kOffset>
+__device__ __forceinline__ void greedy_tile(const TileStream<T, kStages, kOffset>& stream, int tile, int stage,
+                                            int group, float& run_max, int& run_arg) {
   constexpr int kE = kRsLaneEntries;
   using Seg = Segment<T, kE>;
-  const int group = threadIdx.x / kRsChunkLanes;  // this thread's chunk of a tile
-  float run_max = -INFINITY;
-  int run_arg = INT_MAX;
-  pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
-    float lane_max = -INFINITY;
+  float lane_max = -INFINITY;
 #pragma unroll
-    for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(stream.segment(stage, h)));
-    const float m = fminf(lane_max, FLT_MAX);
-    if (m > run_max) {  // rare after the first tiles: find its first entry
-      int first = INT_MAX;
+  for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(stream.segment(stage, h)));
+  const float m = fminf(lane_max, FLT_MAX);
+  if (m > run_max) {  // rare after the first tiles: find its first entry
+    int first = INT_MAX;
 #pragma unroll 1
-      for (int h = kRsLaneSegments - 1; h >= 0; --h) {
-        const Seg seg = stream.segment(stage, h);
+    for (int h = kRsLaneSegments - 1; h >= 0; --h) {
+      const Seg seg = stream.segment(stage, h);
 #pragma unroll
-        for (int j = kE - 1; j >= 0; --j) {
-          if (sanitize(segment_value(seg, j)) == m) first = entry_index(tile * kRsTileChunks + group, h, j);
-        }
+      for (int j = kE - 1; j >= 0; --j) {
+        if (sanitize(segment_value(seg, j)) == m) first = entry_index(tile * kRsTileChunks + group, h, j);
       }
-      run_max = m;
-      run_arg = first;
     }
-  });
-  return LaneArgmax{run_max, run_arg};
+    run_max = m;
+    run_arg = first;
+  }
 }
 
 // The max of a lane group's chunk in a tile with logits below thr read as -inf (the per-entry
