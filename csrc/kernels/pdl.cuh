@@ -8,13 +8,12 @@
 
 namespace specdec {
 
-// Programmatic dependent launch (sm_90+; see docs/DECISIONS.md, 'Launch overlap and warp
-// reductions'). A kernel launched with launch_with_pdl(..., true) may have its CTAs scheduled
-// before the previous kernel in the stream has finished; its first statement is
-// wait_for_prior_kernels(), which returns once that kernel has completed and its writes are
-// visible, so nothing is read or written early. Once a CTA is past the wait it allows the next
-// kernel to be scheduled the same way: at most two grids overlap, and the next one only in
-// slots the current one does not need. No-ops before sm_90.
+// Programmatic dependent launch (sm_90+; docs/DECISIONS.md#cuda-pdl). A kernel launched with
+// launch_with_pdl(..., true) may have its CTAs scheduled before the previous kernel in the stream
+// has finished; its first statement is wait_for_prior_kernels(), which returns once that kernel has
+// completed and its writes are visible, so nothing is read or written early. Once a CTA is past the
+// wait it allows the next kernel to be scheduled the same way: at most two grids overlap, and the
+// next one only in slots the current one does not need. No-ops before sm_90.
 __device__ __forceinline__ void wait_for_prior_kernels() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

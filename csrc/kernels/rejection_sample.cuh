@@ -74,7 +74,7 @@
 #include "kernels/warp.cuh"
 
 // Tiles of 16-bit logits staged per CTA without draft probabilities (tuning macro:
-// SPECDEC_NVCC_FLAGS=-D...; 3 keeps 4 CTAs per SM).
+// SPECDEC_NVCC_FLAGS=-D...; 3 keeps 4 CTAs per SM; docs/DECISIONS.md#cuda-staging-depth).
 #ifndef SPECDEC_CHAIN_STREAM_STAGES_16BIT
 #define SPECDEC_CHAIN_STREAM_STAGES_16BIT 3
 #endif
@@ -271,7 +271,7 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   // Uniform batches (every request has max_spec_len drafts: num_drafts == B * max_spec_len,
   // which well-formed offsets imply) hold row (b, t) at b (K + 1) + t and its draft at b K + t.
   // The first tiles and the draft id then go out with the request's fields rather than after
-  // them (a global round trip; see docs/DECISIONS.md, 'Rows before offsets'); the fields
+  // them (a global round trip; docs/DECISIONS.md#cuda-rows-before-offsets); the fields
   // confirm the guess, and a miss (malformed offsets only) waits for the guessed copies and
   // issues the row's own.
   const bool uniform = !kFiltered && p.num_drafts == static_cast<int64_t>(p.num_requests) * p.max_spec_len;

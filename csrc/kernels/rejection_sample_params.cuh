@@ -22,7 +22,7 @@ constexpr int kRsUnitsPerSlot = 2;
 // (plan_rejection_sample's shipped rules).
 constexpr int kRsUnitsPerSlotLarge = 4;
 // The longest units the one-wave rule makes (tiles): the rule pays only while its units stay
-// this short (see docs/DECISIONS.md, 'One wave').
+// this short (docs/DECISIONS.md#cuda-one-wave-cap).
 constexpr int kRsOneWaveMaxTiles = 3;
 
 // One phase-1 unit's statistics of its split of a row: two 16-byte accesses.
@@ -134,21 +134,22 @@ inline void rs_split_row(int64_t num_tiles, int64_t wanted, int32_t& splits, int
 }
 
 // concurrent_ctas: CTAs the GPU runs at once (SMs x resident CTAs per SM). Rows are split so
-// that there are about kRsUnitsPerSlot units per resident CTA (at least one row per unit).
+// that there are about kRsUnitsPerSlot units per resident CTA (at least one row per unit;
+// docs/DECISIONS.md#cuda-units-per-slot).
 // units_per_slot_override > 0 (benchmarks: SPECDEC_CUDA_UNITS_PER_SLOT) aims at that many
 // instead and turns off the shipped rules; 0, the shipped plan:
 // - Large batches (num_rows >= concurrent_ctas) aim at kRsUnitsPerSlotLarge units per resident
 //   CTA: the last wave's tail is one unit long, and since units combine their parts with a warp
 //   (not thread 0) smaller units cost less than that tail; below a full wave of rows the rule
-//   loses, so it is off there (see docs/DECISIONS.md, 'Finer units for large batches').
+//   loses, so it is off there (docs/DECISIONS.md#cuda-units-large-batches).
 // - Small batches, one wave: without draft probabilities, when those units overflow the
 //   resident CTAs but rows split at most twice as coarsely, into units of at most
 //   kRsOneWaveMaxTiles tiles, fit in one wave, take that -- a short second wave costs a whole
 //   unit's time, and each unit its fixed costs. E.g. B = 8, K = 4, V = 128256 on 132 SMs: 640
 //   one-tile units in two waves -> 320 two-tile units in one. Longer units lose, since units
-//   start by issuing their tiles (see docs/DECISIONS.md, 'Rows before offsets'). With draft
-//   probabilities the rule (phase-1 units only) does not pay at every batch size, so it is off
-//   there (see docs/DECISIONS.md, 'One wave').
+//   start by issuing their tiles (docs/DECISIONS.md#cuda-one-wave-cap). With draft
+//   probabilities the rule (phase-1 units only) helps small and hurts middle batches, so it is
+//   off there (docs/DECISIONS.md#cuda-one-wave).
 inline RejectionSamplePlan plan_rejection_sample(int64_t num_rows, int64_t num_requests, int64_t vocab,
                                                  int64_t max_spec_len, bool has_draft_probs,
                                                  int64_t concurrent_ctas, RsMethod method = kRsMethodToken,

@@ -50,7 +50,8 @@
 #include "kernels/stream.cuh"
 #include "kernels/warp.cuh"
 
-// Tiles of 16-bit logits staged per CTA in phase 1 (tuning macro: SPECDEC_NVCC_FLAGS=-D...).
+// Tiles of 16-bit logits staged per CTA in phase 1 (tuning macro: SPECDEC_NVCC_FLAGS=-D...;
+// docs/DECISIONS.md#cuda-staging-depth).
 #ifndef SPECDEC_TREE_STREAM_STAGES_16BIT
 #define SPECDEC_TREE_STREAM_STAGES_16BIT 4
 #endif
@@ -133,15 +134,15 @@ struct TreeRejectionSampleParams {
 
 // ------------------------------------------------------------------------------ host plan
 
-// concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about
-// units_per_slot units per resident CTA (small batches spread the vocabulary over the GPU,
-// large ones get one unit per row).
-// units_per_slot_override > 0 (benchmarks) aims at that many instead of kRtUnitsPerSlot and
-// turns off the one-wave rule; 0, the shipped plan, whose one-wave rule is the chain plan's
+// concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about units_per_slot
+// units per resident CTA (small batches spread the vocabulary over the GPU, large ones get one unit
+// per row). units_per_slot_override > 0 (benchmarks) aims at that many instead of kRtUnitsPerSlot
+// and turns off the one-wave rule; 0, the shipped plan, whose one-wave rule is the chain plan's
 // (plan_rejection_sample): without draft probabilities, phase-1 units split at most twice as
-// coarsely when that fits them and the finalizers in one wave of resident CTAs. The chain's cap
-// on such units (kRsOneWaveMaxTiles) is not applied here: it was measured on the chain kernel only
-// (64-node trees at B = 1 take 3-tile units, within it, either way).
+// coarsely when that fits them and the finalizers in one wave of resident CTAs. The chain's cap on
+// such units (kRsOneWaveMaxTiles) is not applied here: it was measured on the chain kernel only
+// (64-node trees at B = 1 take 3-tile units, within it, either way;
+// docs/DECISIONS.md#cuda-tree-one-wave).
 inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int64_t num_requests, int64_t vocab,
                                                           int64_t concurrent_ctas,
                                                           bool has_draft_probs,

@@ -29,10 +29,9 @@ __device__ __forceinline__ float from_ordered_key(uint32_t key) {
 }
 
 // Warp reductions; every lane ends with the same value. Max and min are one redux.sync each
-// (sm_80+) instead of five dependent shuffles: the ends of units and the finalizers chain a
-// dozen of them (see docs/DECISIONS.md, 'Launch overlap and warp reductions'). The max of
-// floats is exact either way (one of the inputs; NaNs dropped unless all are NaN); sums add in
-// butterfly order.
+// (sm_80+) instead of five dependent shuffles: the ends of units and the finalizers chain a dozen
+// of them (docs/DECISIONS.md#cuda-warp-redux). The max of floats is exact either way (one of the
+// inputs; NaNs dropped unless all are NaN); sums add in butterfly order.
 __device__ __forceinline__ float warp_max(float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   return from_ordered_key(__reduce_max_sync(kFullMask, ordered_key(v)));
@@ -112,7 +111,7 @@ __device__ __forceinline__ void warp_race_winner(float& score, int& chunk, int& 
 // The end of a unit: combining its parts (kRsGroups lane groups, or kRsWarps warps for greedy
 // rows) left in shared memory. One warp, lane c reading part c, every lane gets the result;
 // never a thread-0 loop over the parts, whose dependent shared loads sit on the critical path of
-// every unit (see docs/DECISIONS.md, 'Warp combine'). Sums are added in a butterfly order, so
+// every unit (docs/DECISIONS.md#cuda-warp-combine). Sums are added in a butterfly order, so
 // they may differ from a serial sum in the last bit (the backends agree up to near-ties).
 
 // The parts' max m and their sums rescaled to it: sum_c s_c exp2((m_c - m) k).
