@@ -22,7 +22,8 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 HERE = os.path.dirname(os.path.abspath(__file__))
 SKIP_CUDA = os.environ.get("SPECDEC_SKIP_CUDA", "0") == "1"
 BUILD_CUDA = (not SKIP_CUDA) and torch.version.cuda is not None and CUDA_HOME is not None
-CUDA_SOURCES = sorted(f for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".cu"))
+# The torch bindings of the CUDA kernels (csrc/bindings/*.cu; the kernels are headers in csrc/kernels/).
+CUDA_SOURCES = sorted(f for f in os.listdir(os.path.join(HERE, "csrc", "bindings")) if f.endswith(".cu"))
 
 
 def cuda_arch_flags():
@@ -42,7 +43,7 @@ def extensions():
     return [
         CUDAExtension(
             "specdec_kernels._C",
-            sources + [f"csrc/{f}" for f in CUDA_SOURCES],
+            sources + [f"csrc/bindings/{f}" for f in CUDA_SOURCES],
             include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={"cxx": cxx + ["-DSPECDEC_WITH_CUDA"], "nvcc": nvcc},
         )

@@ -1,8 +1,15 @@
-// The specdec op schemas, defined once for every backend.
+// Every specdec op schema, defined once, here, for every backend and every build.
 //
-// CPU (the reference) and the Triton kernels are registered from Python
-// (specdec_kernels/ops.py); a fused CUDA kernel registers itself for the CUDA dispatch
-// key (rejection_sample_cuda.cu) when the extension is built with CUDA.
+// Kernels register themselves elsewhere, per dispatch key:
+// - CPU (the reference), Meta/fake, and the Triton kernels on CUDA: from Python
+//   (specdec_kernels/ops.py);
+// - the fused CUDA kernels, when the extension is built with CUDA: the torch bindings in
+//   csrc/bindings/ (chain_cuda.cu, tree_cuda.cu), with TORCH_LIBRARY_IMPL blocks only.
+// A schema whose kernel exists only in some builds (the CUDA bindings' private ops, the profiling
+// build's trace) is still defined in every build: calling it where the kernel is missing raises
+// torch's own "could not run ... with arguments from the ... backend" error. Code that needs to
+// know whether a kernel exists asks the dispatcher (torch._C._dispatch_has_kernel_for_dispatch_key,
+// as specdec_kernels/ops.py does), not hasattr(torch.ops.specdec, name).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -15,18 +22,58 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(specdec, m) {
+  // ---------------------------------------------------------------------------- public ops
+
+  // Chain verification. CPU: the reference; CUDA: the fused CUDA kernel
+  // (bindings/chain_cuda.cu) when built, else the Triton kernel (specdec_kernels/ops.py).
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
       "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
+  // Tree verification; kernels as for rejection_sample
+  // (bindings/tree_cuda.cu).
   m.def(
       "tree_rejection_sample(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
       "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
-  // The CUDA chain kernel with the sampling filters' per-row thresholds (the threshold pass's,
-  // specdec_kernels/triton_filters.py); private: the Python API calls it.
+
+  // ------------------------------------------------------------------------- private ops
+  // Called by the Python API (specdec_kernels/chain.py, tree.py, ops.py), tests and benchmarks
+  // only; each is one op rather than a Python call so that torch.compile(fullgraph=True) and
+  // CUDA graphs see one opaque call.
+
+  // Twins of the public ops that always run the Triton kernel on CUDA tensors (the reference on
+  // CPU tensors): what backend "auto" calls for work the CUDA C++ kernel does not do itself
+  // (sampling filters). Kernels and fakes: specdec_kernels/ops.py; callers: chain.py, tree.py.
+  m.def(
+      "_rejection_sample_triton(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "-> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
+      "_tree_rejection_sample_triton(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
+  // The same schemas for the CUDA C++ kernels with sampling filters, backend "cuda": the
+  // threshold pass (Triton, specdec_kernels/triton_filters.py), then the _cuda_filtered op below.
+  // Kernels and fakes: specdec_kernels/ops.py; callers: chain.py, tree.py.
+  m.def(
+      "_rejection_sample_cuda_filters(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "-> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
+      "_tree_rejection_sample_cuda_filters(Tensor target_logits, Tensor tokens, Tensor parents, "
+      "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
+      "int max_depth, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
+
+  // The CUDA chain / tree kernels given the threshold pass's per-row thresholds (and, chain, its
+  // record of the rows verified from their kept set). CUDA kernels: bindings/chain_cuda.cu,
+  // tree_cuda.cu; fakes: specdec_kernels/ops.py; caller: the _cuda_filters ops above.
   m.def(
       "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
@@ -37,4 +84,19 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
       "int max_depth, Tensor? row_thresholds) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
+
+  // The CUDA kernels' host plans for given sizes, computed without a GPU (tensor-free, so their
+  // kernels are registered for CompositeImplicitAutograd: bindings/chain_cuda.cu, tree_cuda.cu;
+  // CUDA builds only). Caller: python_tests/test_cuda_plan.py.
+  m.def(
+      "_rejection_sample_plan(int num_rows, int num_requests, int vocab, int max_spec_len, bool has_draft_probs, "
+      "int concurrent_ctas, int block_method, int units_per_slot) -> int[]");
+  m.def(
+      "_tree_rejection_sample_plan(int num_nodes, int num_requests, int vocab, bool has_draft_probs, "
+      "int concurrent_ctas, int units_per_slot) -> int[]");
+
+  // The chain kernel's per-CTA timeline of a profiling build (SPECDEC_NVCC_FLAGS=-DSPECDEC_TRACE
+  // only; kernel: bindings/chain_cuda.cu, registered as the plans are). Caller:
+  // benchmarks/trace_chain_timeline.py.
+  m.def("_rejection_sample_trace(bool reset) -> Tensor");
 }

@@ -29,12 +29,29 @@
 // The finalizer resets the counter, so the cached workspace is clean between calls (CUDA
 // graphs). Nothing ever waits on another CTA: no tickets, no deadlock.
 //
-// Streaming, staging and warp helpers are the chain kernel's (rejection_sample.cuh, rs_detail).
+// Streaming, staging, chunk sampling and warp helpers are shared with the chain kernel
+// (stream.cuh, elements.cuh, chunk_sampling.cuh, warp.cuh; namespace rs_detail).
 #pragma once
 
-#include "kernels/rejection_sample.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
-// Tiles of 16-bit logits staged per CTA in phase 1 (tuning macro: SPECDEC_NVCC_FLAGS=-D...).
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/chunk_sampling.cuh"
+#include "kernels/common.cuh"
+#include "kernels/elements.cuh"
+#include "kernels/pdl.cuh"
+#include "kernels/philox.cuh"
+#include "kernels/stream.cuh"
+#include "kernels/warp.cuh"
+
+// Tiles of 16-bit logits staged per CTA in phase 1 (tuning macro: SPECDEC_NVCC_FLAGS=-D...;
+// docs/DECISIONS.md#cuda-staging-depth).
 #ifndef SPECDEC_TREE_STREAM_STAGES_16BIT
 #define SPECDEC_TREE_STREAM_STAGES_16BIT 4
 #endif
@@ -117,15 +134,15 @@ struct TreeRejectionSampleParams {
 
 // ------------------------------------------------------------------------------ host plan
 
-// concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about
-// units_per_slot units per resident CTA (small batches spread the vocabulary over the GPU,
-// large ones get one unit per row).
-// units_per_slot_override > 0 (benchmarks) aims at that many instead of kRtUnitsPerSlot and
-// turns off the one-wave rule; 0, the shipped plan, whose one-wave rule is the chain plan's
+// concurrent_ctas: CTAs the GPU runs at once. Rows are split so that there are about units_per_slot
+// units per resident CTA (small batches spread the vocabulary over the GPU, large ones get one unit
+// per row). units_per_slot_override > 0 (benchmarks) aims at that many instead of kRtUnitsPerSlot
+// and turns off the one-wave rule; 0, the shipped plan, whose one-wave rule is the chain plan's
 // (plan_rejection_sample): without draft probabilities, phase-1 units split at most twice as
-// coarsely when that fits them and the finalizers in one wave of resident CTAs. The chain's cap
-// on such units (kRsOneWaveMaxTiles) is not applied here: it was measured on the chain kernel only
-// (64-node trees at B = 1 take 3-tile units, within it, either way).
+// coarsely when that fits them and the finalizers in one wave of resident CTAs. The chain's cap on
+// such units (kRsOneWaveMaxTiles) is not applied here: it was measured on the chain kernel only
+// (64-node trees at B = 1 take 3-tile units, within it, either way;
+// docs/DECISIONS.md#cuda-tree-one-wave).
 inline TreeRejectionSamplePlan plan_tree_rejection_sample(int64_t num_nodes, int64_t num_requests, int64_t vocab,
                                                           int64_t concurrent_ctas,
                                                           bool has_draft_probs,
@@ -435,27 +452,11 @@ __device__ void phase1_unit(const TreeRejectionSampleParams& p, RtShared& sm, in
   const int group = threadIdx.x / kRsChunkLanes;  // this thread's chunk of a tile
   const int gl = threadIdx.x % kRsChunkLanes;
   if (rq.greedy) {
-    // Per-lane running max and its first index (a lane's entries come in increasing order).
+    // Per-lane running max and its first index (stream.cuh, greedy_tile).
     float run_max = -INFINITY;
     int run_arg = INT_MAX;
     pipeline_tiles<kStages>(tile_lo, tile_hi, issue, [&](int tile, int stage) {
-      float lane_max = -INFINITY;
-#pragma unroll
-      for (int h = 0; h < kRsLaneSegments; ++h) lane_max = fmaxf(lane_max, segment_max(stream.segment(stage, h)));
-      const float m = fminf(lane_max, FLT_MAX);
-      if (m > run_max) {  // rare after the first tiles: find its first entry
-        int first = INT_MAX;
-#pragma unroll 1
-        for (int h = kRsLaneSegments - 1; h >= 0; --h) {
-          const Seg seg = stream.segment(stage, h);
-#pragma unroll
-          for (int j = kE - 1; j >= 0; --j) {
-            if (sanitize(segment_value(seg, j)) == m) first = entry_index(tile * kRsTileChunks + group, h, j);
-          }
-        }
-        run_max = m;
-        run_arg = first;
-      }
+      greedy_tile(stream, tile, stage, group, run_max, run_arg);
     });
     const float wm = warp_max(run_max);
     const int arg = warp_min(run_max == wm ? run_arg : INT_MAX);

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "kernels/rejection_sample.cuh"
-#include "binding_common.h"
+#include "bindings/common.h"
 
 namespace {
 
@@ -45,7 +45,7 @@ void check_device(const char* name, const at::Tensor& t, const at::Device& devic
 
 // Counters (int32) and record bytes of at least the given sizes on `device` (this op's cache).
 std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_counters, int64_t record_bytes) {
-  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 18);  // leaked on purpose (binding_common.h)
+  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 18);  // leaked on purpose (bindings/common.h)
   return cache->get(device, num_counters, record_bytes);
 }
 
@@ -301,12 +301,6 @@ at::Tensor rejection_sample_trace(bool reset) {
 
 }  // namespace
 
-#ifdef SPECDEC_TRACE
-TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("_rejection_sample_trace(bool reset) -> Tensor", &rejection_sample_trace);
-}
-#endif
-
 // The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py pins its rules):
 // [num_splits, tiles_per_split, units_phase1, units_total, residual_splits,
 // residual_tiles_per_split, prefetch_residual]. units_per_slot 0: the shipped plan; > 0: that
@@ -321,13 +315,18 @@ std::vector<int64_t> rejection_sample_plan(int64_t num_rows, int64_t num_request
           plan.residual_tiles_per_split, plan.prefetch_residual};
 }
 
-TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("_rejection_sample_plan(int num_rows, int num_requests, int vocab, int max_spec_len, bool has_draft_probs, "
-        "int concurrent_ctas, int block_method, int units_per_slot) -> int[]",
-        &rejection_sample_plan);
-}
-
+// Schemas: csrc/ops.cpp. The ops with tensor arguments dispatch on their device (CUDA).
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("rejection_sample", &rejection_sample_cuda);
   m.impl("_rejection_sample_cuda_filtered", &run_rejection_sample);
+}
+
+// The tensor-free ops have no device to dispatch on: their kernels are registered for
+// CompositeImplicitAutograd, the key m.def(schema, fn) gave them before the schemas moved to
+// ops.cpp, so that they run from any caller, without a GPU.
+TORCH_LIBRARY_IMPL(specdec, CompositeImplicitAutograd, m) {
+  m.impl("_rejection_sample_plan", &rejection_sample_plan);
+#ifdef SPECDEC_TRACE
+  m.impl("_rejection_sample_trace", &rejection_sample_trace);
+#endif
 }

@@ -1,5 +1,5 @@
-// Host-side helpers shared by the torch bindings of the CUDA kernels (rejection_sample_cuda.cu,
-// tree_rejection_sample_cuda.cu): dtype and device checks, layout checks, the per-request
+// Host-side helpers shared by the torch bindings of the CUDA kernels (chain_cuda.cu,
+// tree_cuda.cu): dtype and device checks, layout checks, the per-request
 // kernel parameters and the cached per-device workspace. Each op keeps its own WorkspaceCache.
 // Included by the .cu bindings only (it pulls in a kernel header).
 #pragma once
@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/rejection_sample.cuh"  // the temperature dtype codes (kRsTemperature*)
+#include "kernels/common.cuh"  // the temperature dtype codes (kRsTemperature*)
 
 namespace specdec::binding {
 
@@ -163,10 +163,11 @@ class WorkspaceCache {
   std::vector<at::Tensor> retired_;
 };
 
-// Tuning knob for benchmarks (docs/PERF.md): SPECDEC_CUDA_UNITS_PER_SLOT=n makes the plans aim for
-// n work units per resident CTA instead of the kernels' own rules (passed to the plan functions as
-// units_per_slot_override). Read once per process (not on every call's path); unset, empty or not
-// an integer in [1, 64] = 0, the shipped plan.
+// Tuning knob for benchmarks (benchmarks/tune_cuda_plan.py, docs/DECISIONS.md#cuda-units-per-slot):
+// SPECDEC_CUDA_UNITS_PER_SLOT=n makes the plans aim for n work units per resident CTA instead of
+// the kernels' own rules (passed to the plan functions as units_per_slot_override). Read once per
+// process (not on every call's path); unset, empty or not an integer in [1, 64] = 0, the shipped
+// plan.
 inline int64_t units_per_slot_override() {
   static const int64_t override_value = [] {
     const char* env = std::getenv("SPECDEC_CUDA_UNITS_PER_SLOT");
@@ -178,11 +179,11 @@ inline int64_t units_per_slot_override() {
   return override_value;
 }
 
-// Programmatic dependent launch (docs/PERF.md "Launch overlap and warp reductions"): on sm_90
-// and newer the kernels are launched so that their CTAs become resident while the previous
-// kernel in the stream drains; they execute griddepcontrol.wait before reading or writing any
-// memory, so ordering is that of a plain launch. SPECDEC_CUDA_PDL=0 turns it off (read once per
-// process); older cards never use it. The capability is cached per device.
+// Programmatic dependent launch (docs/DECISIONS.md#cuda-pdl): on sm_90 and newer the kernels are
+// launched so that their CTAs become resident while the previous kernel in the stream drains; they
+// execute griddepcontrol.wait before reading or writing any memory, so ordering is that of a plain
+// launch. SPECDEC_CUDA_PDL=0 turns it off (read once per process); older cards never use it. The
+// capability is cached per device.
 inline bool pdl_enabled(int device_index) {
   static const bool allowed = [] {
     const char* env = std::getenv("SPECDEC_CUDA_PDL");

@@ -2,7 +2,7 @@
 // kernel itself is torch-free: csrc/kernels/tree_rejection_sample.cuh). It checks the inputs,
 // picks the work decomposition, keeps a cached per-device workspace and makes exactly one
 // launch (plus one at::randint when seeds are absent), without synchronizing. Same structure
-// as rejection_sample_cuda.cu (the chain op's binding); the workspaces are separate.
+// as chain_cuda.cu (the chain op's binding); the workspaces are separate.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "kernels/tree_rejection_sample.cuh"
-#include "binding_common.h"
+#include "bindings/common.h"
 
 namespace {
 
@@ -42,7 +42,7 @@ void check_device(const char* name, const at::Tensor& t, const at::Device& devic
 
 // Counters (int32) and record bytes of at least the given sizes on `device` (this op's cache).
 std::pair<int32_t*, uint8_t*> workspace(const at::Device& device, int64_t num_counters, int64_t record_bytes) {
-  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 20);  // leaked on purpose (binding_common.h)
+  static auto* cache = new binding::WorkspaceCache(kOp, int64_t{1} << 20);  // leaked on purpose (bindings/common.h)
   return cache->get(device, num_counters, record_bytes);
 }
 
@@ -243,13 +243,13 @@ std::vector<int64_t> tree_rejection_sample_plan(int64_t num_nodes, int64_t num_r
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("_tree_rejection_sample_plan(int num_nodes, int num_requests, int vocab, bool has_draft_probs, "
-        "int concurrent_ctas, int units_per_slot) -> int[]",
-        &tree_rejection_sample_plan);
-}
-
+// Schemas: csrc/ops.cpp. The ops with tensor arguments dispatch on their device (CUDA).
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("tree_rejection_sample", &tree_rejection_sample_cuda);
   m.impl("_tree_rejection_sample_cuda_filtered", &run_tree_rejection_sample);
+}
+
+// The tensor-free plan op: CompositeImplicitAutograd, as in chain_cuda.cu.
+TORCH_LIBRARY_IMPL(specdec, CompositeImplicitAutograd, m) {
+  m.impl("_tree_rejection_sample_plan", &tree_rejection_sample_plan);
 }
