@@ -4,7 +4,7 @@ Needs the profiling build (the marks compile to nothing otherwise):
 
     SPECDEC_NVCC_FLAGS=-DSPECDEC_TRACE python setup.py build_ext --inplace
 
-Thread 0 of every CTA stamps (csrc/kernels/rejection_sample.cuh, RS_TRACE): entry, the
+Thread 0 of every CTA stamps (csrc/kernels/rejection_sample_trace.cuh, RS_TRACE): entry, the
 request's fields loaded, phase 2's wait over, its share of the stream processed, the record's
 values known (combine + in-chunk sample), record released and counted, and for the request's
 finalizer the outputs written. For each shape this runs the call eagerly `--runs` times and
@@ -136,7 +136,8 @@ def main():
                     help="keep L2 between the warm-up call and the traced one (the 2026-11-27 runs did: "
                          "inputs of <= ~50 MB, B <= 32 at bf16, were then partly read from L2)")
     args = ap.parse_args()
-    if not hasattr(torch.ops.specdec, "_rejection_sample_trace"):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("specdec::_rejection_sample_trace",
+                                                          "CompositeImplicitAutograd"):
         sys.exit("this build has no trace: rebuild with SPECDEC_NVCC_FLAGS=-DSPECDEC_TRACE")
 
     card = torch.cuda.get_device_name()

@@ -53,7 +53,7 @@ def test_triton_interpreter_matches_reference(vocab, dtype, draft_probs, method)
 def test_triton_programs_per_sm_rule():
     """The Triton chain kernel aims at 8 programs per SM (instead of 4) only for 4-byte logits with
     draft probabilities from 640 rows on, unfiltered, and a config's programs_per_sm replaces the
-    rule (DECISIONS.md: measured level or faster there on an H100, slower for B = 32 at K = 4 and
+    rule (DECISIONS.md, "triton-programs-per-sm": measured level or faster there on an H100, slower for B = 32 at K = 4 and
     for bf16)."""
     from specdec_kernels.triton import chain as trs
     from specdec_kernels.triton.config import VerifyConfig
@@ -71,7 +71,7 @@ def test_triton_programs_per_sm_rule():
 @pytest.mark.skipif("triton" not in gpu_backends(), reason="needs triton")
 def test_triton_l2_prefetch_rule():
     """The whole-tile loop's L2 prefetch (inline PTX, sm_90) is asked for only on CUDA devices and
-    only for 16-bit logits (DECISIONS.md: level with 4-byte logits); the interpreter never gets it."""
+    only for 16-bit logits (DECISIONS.md, "triton-l2-prefetch": level with 4-byte logits); the interpreter never gets it."""
     from specdec_kernels.triton.common import prefetch_tiles
     cpu = torch.device("cpu")
     assert prefetch_tiles(cpu, torch.bfloat16, 2) == 0

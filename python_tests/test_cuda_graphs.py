@@ -50,7 +50,7 @@ def test_back_to_back_calls_keep_counters_clean(backend):
 def test_consecutive_calls_match_reference_eager_and_in_a_graph(backend, draft_probs):
     """Calls issued back to back with nothing between them, as the benchmark's graphs hold them:
     with programmatic dependent launch (CUDA, sm_90+) a call's CTAs start while the previous call
-    drains and share its workspace, so each must still wait for it (docs/PERF.md)."""
+    drains and share its workspace, so each must still wait for it (docs/DECISIONS.md, "cuda-pdl", "triton-pdl")."""
     batches = [random_batch(b, 4, 32000, dtype=torch.bfloat16, draft_probs=draft_probs, seed=40 + i, device="cuda",
                             uniform=i % 2 == 1)  # uniform batches take the kernel's guessed-row start
                for i, b in enumerate([1, 32, 1, 200, 8, 1])]

@@ -857,7 +857,7 @@ BAD_CALLS = {
     "kept_chunk_mass must be float32": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks, km, tab, "
                                        "tab.double())",
     "row_thresholds must be 1-D with": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr[1:])",
-    # the public op's own checks (binding_common.h), for comparison
+    # the public op's own checks (csrc/bindings/common.h), for comparison
     "draft_probs must have shape": "torch.ops.specdec.rejection_sample(logits, ids, cu, "
                                    "torch.rand(3, V, device='cuda'), temp, seeds, None, 0)",
     "temperature must have shape": "torch.ops.specdec.rejection_sample(logits, ids, cu, None, temp[1:], seeds, None, 0)",

@@ -13,13 +13,13 @@ its most frequent instructions.
         [--warps 4] [--set NAME=VALUE ...] [--tree NODES] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
 
 The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
-draft's chunk), so the path a random request takes is shorter (docs/PERF.md, section "The
-Triton chain kernel's instructions").
+draft's chunk), so the path a random request takes is shorter (docs/DECISIONS.md,
+"triton-halves").
 
 The code depends on the Triton version: compile with the one the GPU runs (the GPU machine:
 3.6), e.g. ``pip install --no-deps --target /tmp/triton36 triton==3.6.0`` and
 ``PYTHONPATH=/tmp/triton36 python scripts/triton_sass.py``. A variant that looked 30% shorter
-under Triton 3.8 went through shared memory under 3.6 and ran 1.4-3.6x slower (PERF.md).
+under Triton 3.8 went through shared memory under 3.6 and ran slower (docs/DECISIONS.md, "triton-tile-pieces").
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from .reference.philox import draw_seeds
 REJECTION_SAMPLE = "specdec::rejection_sample"
 TREE_REJECTION_SAMPLE = "specdec::tree_rejection_sample"
 
-for _name in ("rejection_sample", "tree_rejection_sample"):
+for _name in ("rejection_sample", "tree_rejection_sample", "_rejection_sample_triton", "_tree_rejection_sample_triton",
+              "_rejection_sample_cuda_filters", "_tree_rejection_sample_cuda_filters"):
     if not hasattr(torch.ops.specdec, _name):
         raise ImportError(
             f"specdec_kernels._C defines no specdec::{_name}: the compiled extension is older than the "
@@ -83,21 +84,19 @@ def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, 
     return out, target_logits.new_empty((batch,), dtype=torch.int32)
 
 
-if hasattr(torch.ops.specdec, "_rejection_sample_cuda_filtered"):
-    @torch.library.register_fake("specdec::_rejection_sample_cuda_filtered")
-    def _rejection_sample_cuda_filtered_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                             temperature, seeds, offsets, max_spec_len, method, row_thresholds,
-                                             kept_sum=None, kept_max=None, chunk_max=None, kept_chunk_mass=None):
-        return _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                                      seeds, offsets, max_spec_len, method)
+@torch.library.register_fake("specdec::_rejection_sample_cuda_filtered")
+def _rejection_sample_cuda_filtered_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                                         temperature, seeds, offsets, max_spec_len, method, row_thresholds,
+                                         kept_sum=None, kept_max=None, chunk_max=None, kept_chunk_mass=None):
+    return _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                                  seeds, offsets, max_spec_len, method)
 
 
-if hasattr(torch.ops.specdec, "_tree_rejection_sample_cuda_filtered"):
-    @torch.library.register_fake("specdec::_tree_rejection_sample_cuda_filtered")
-    def _tree_rejection_sample_cuda_filtered_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                                  temperature, seeds, offsets, max_depth, row_thresholds):
-        return _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                                           seeds, offsets, max_depth)
+@torch.library.register_fake("specdec::_tree_rejection_sample_cuda_filtered")
+def _tree_rejection_sample_cuda_filtered_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs,
+                                              temperature, seeds, offsets, max_depth, row_thresholds):
+    return _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
+                                       seeds, offsets, max_depth)
 
 
 def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
@@ -197,32 +196,12 @@ def _tree_rejection_sample_cuda_filters(target_logits, tokens, parents, cu_num_n
         target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth, thr)
 
 
-# Private twins of the two ops that always run the Triton kernel on CUDA tensors (the reference
-# on CPU tensors): what the Python API's backend "auto" calls for work the CUDA C++ kernel does
-# not implement (sampling filters, block verification). Ops rather than plain Python calls, so
-# that torch.compile(fullgraph=True) and CUDA graphs see one opaque call either way.
-_TWIN_SCHEMAS = {
-    "_rejection_sample_triton": (
-        "_rejection_sample_triton(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
-        "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-        "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
-        "-> (Tensor output_token_ids, Tensor num_accepted)"),
-    "_tree_rejection_sample_triton": (
-        "_tree_rejection_sample_triton(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
-        "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
-        "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
-        "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)"),
-}
-# ... and of the two that run the CUDA C++ kernels with sampling filters (the threshold pass, then
-# the kernel: one op for torch.compile and CUDA graphs, as above).
-_TWIN_SCHEMAS["_rejection_sample_cuda_filters"] = _TWIN_SCHEMAS["_rejection_sample_triton"].replace(
-    "_rejection_sample_triton", "_rejection_sample_cuda_filters")
-_TWIN_SCHEMAS["_tree_rejection_sample_cuda_filters"] = _TWIN_SCHEMAS["_tree_rejection_sample_triton"].replace(
-    "_tree_rejection_sample_triton", "_tree_rejection_sample_cuda_filters")
-_lib_twins = torch.library.Library("specdec", "FRAGMENT")
-for _name, _schema in _TWIN_SCHEMAS.items():
-    if not hasattr(torch.ops.specdec, _name):
-        _lib_twins.define(_schema)
+# Private twins of the two ops (schemas in csrc/ops.cpp): ``_rejection_sample_triton`` /
+# ``_tree_rejection_sample_triton`` always run the Triton kernel on CUDA tensors (what the Python
+# API's backend "auto" calls for work the CUDA C++ kernel does not implement: sampling filters,
+# block verification); ``_*_cuda_filters`` run the threshold pass, then the CUDA C++ kernel. Ops
+# rather than plain Python calls, so that torch.compile(fullgraph=True) and CUDA graphs see one
+# opaque call either way; the reference on CPU tensors.
 # Each twin: (fake, CPU kernel = the reference, CUDA kernel).
 for _name, (_fake, _cpu, _cuda) in {
     "_rejection_sample_triton": (_rejection_sample_fake, _rejection_sample_cpu, _rejection_sample_cuda_triton),

@@ -274,7 +274,7 @@ def _rejection_sample_kernel(
         g_lo = s_idx * residual_groups_per_split
         g_hi = tl.minimum(g_lo + residual_groups_per_split, num_groups)
     if UNIFORM:
-        # Rows before offsets (docs/PERF.md): every request has max_spec_len drafts, so with
+        # Rows before offsets (DECISIONS.md, "triton-rows-before-offsets"): every request has max_spec_len drafts, so with
         # well-formed offsets (cu[b] = b * max_spec_len) row (b, t) is b (max_spec_len + 1) + t and
         # its draft b max_spec_len + t. The split's first tile and the draft id are loaded with
         # the request's fields instead of after them; the fields confirm the guess below.

@@ -45,7 +45,7 @@ class VerifyConfig:
 
 @dataclass(frozen=True)
 class FilterConfig:
-    """The top-k / top-p / min-p threshold pass (``filters``; DECISIONS.md, "triton-filter-search")."""
+    """The top-k / top-p / min-p threshold pass (``filters``; DECISIONS.md, "filter-threshold-pass")."""
 
     # Bracket buffer: tokens sorted in registers (more means fewer counting passes).
     cap: int = 512

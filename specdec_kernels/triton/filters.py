@@ -195,7 +195,7 @@ def _pivot_pass(row_ptr, list_ptr, n_listed, lo, hi, row_max, k, scale, vocab_si
     Pipelined as ``_gather``. The [TILE * CHUNK, PIVOTS] comparisons accumulate element-wise
     across tiles and are reduced once at the end, in registers (reducing each tile costs two
     cross-warp round trips and barriers per tile, which makes a pass over a whole row -- top-p
-    alone on a flat row -- latency-bound; DECISIONS.md, "triton-filter-search")."""
+    alone on a flat row -- latency-bound; DECISIONS.md, "filter-pivot-accumulate")."""
     piv = _pivots(lo, hi, scale, PIVOTS)
     acc_cnt = tl.zeros([TILE * CHUNK, PIVOTS], tl.int32)
     acc_mass = tl.zeros([TILE * CHUNK, PIVOTS], tl.float32)

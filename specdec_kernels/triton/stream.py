@@ -45,7 +45,7 @@ def stream_tile(raw, tile_start, chunks, tile_lane, k, greedy, excluded, m_vec, 
     threshold ``thr`` count as -inf (sampling filters). The tile comes as two [GROUP, CHUNK / 2]
     tensors, ``raw`` the chunks' first halves (offsets ``tile_lane``) and ``raw_hi`` their second
     halves; they are combined element-wise before each reduction, so a chunk's reductions span
-    half the lanes (bf16) or one warp instead of two (fp32; DECISIONS.md, "triton-half-chunk-tiles").
+    half the lanes (bf16) or one warp instead of two (fp32; DECISIONS.md, "triton-halves").
     FAST: no sanitize, and the exponent as one FMA, exp2(fma(l, k, -mk)) with mk = m k rounded:
     each weight is exp2((l - m) k) times 2^(m k - mk), so the chunk's sum is scaled by
     2^-(m k - mk), a rounding residual that an FMA gives exactly, back to the exact form's

@@ -33,7 +33,7 @@ from .stream import first_tile, kept_set_record, row_table, stream_split, tile_l
 NODE_BLOCK = 64  # nodes scanned per step when looking for children
 # Unfiltered tree calls take the chain kernel's register cap too: the stream is the chain
 # kernel's (``stream.stream_split``), whose loop is written for that cap (DECISIONS.md,
-# "triton-tree-on-chain-stream").
+# "triton-tree-chain-stream").
 PROGRAMS_PER_SM = 4
 
 
