@@ -56,14 +56,14 @@ def pointer_type(module, name: str, logits_type: str, probs_type: str) -> str:
 
 def constexpr_value(module, name: str):
     """A constexpr's shipped value: the module's constant, the default configs' field, or a size."""
-    from specdec_kernels.reference.philox import SAMPLE_CHUNK
+    from specdec_kernels.reference.philox import SAMPLE_CHUNK, STREAM_SAMPLE
     from specdec_kernels.triton.common import CU_BLOCK
     from specdec_kernels.triton.config import FilterConfig, VerifyConfig
     if hasattr(module, name):
         return getattr(module, name)
     if hasattr(module, "FILTER_" + name):  # the threshold pass's fixed sizes (triton/filters.py)
         return getattr(module, "FILTER_" + name)
-    shipped = {"CHUNK": SAMPLE_CHUNK, "CU_BLOCK": CU_BLOCK, "GROUP": VerifyConfig().group,
+    shipped = {"CHUNK": SAMPLE_CHUNK, "STREAM": STREAM_SAMPLE, "CU_BLOCK": CU_BLOCK, "GROUP": VerifyConfig().group,
                "PREFETCH": VerifyConfig().prefetch, "CAP": FilterConfig().cap, "TILE": FilterConfig().tile,
                "PIVOT_TILE": FilterConfig().pivot_tile, "FAST_EXP": True}
     if name in shipped:
