@@ -74,3 +74,27 @@ export_commit() {
   if [ -z "${SPECDEC_COMMIT:-}" ] && [ -n "${OUT:-}" ]; then export SPECDEC_COMMIT=unknown; fi
   if [ -n "${SPECDEC_COMMIT:-}" ]; then export SPECDEC_COMMIT; fi
 }
+
+# env_report FILE PYTHON: the card, the versions and the compilers, printed and saved.
+env_report() {
+  local file=$1 py=$2
+  mkdir -p "$(dirname "$file")"
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || echo "no GPU (nvidia-smi lists none)"
+    "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+    command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -2
+    echo "host compilers: CC=${CC:-} CXX=${CXX:-}"
+  } 2>&1 | tee -a "$file"
+}
+
+# require_built PYTHON: specdec_kernels imports (built by scripts/build.sh); prints its backends.
+require_built() {
+  "$1" -c "import specdec_kernels; print('backends:', specdec_kernels.available_backends())" \
+    || die "specdec_kernels does not import: build it first (bash scripts/build.sh)"
+}
+
+# limited SECONDS COMMAND...: COMMAND under timeout(1) when SECONDS is set, else as is.
+limited() {
+  local s=$1; shift
+  if [ -n "$s" ]; then timeout "$s" "$@"; else "$@"; fi
+}
