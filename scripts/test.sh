@@ -40,5 +40,6 @@ else
   tier=(-m "$DEFAULT_TIER")
 fi
 . "${SPECDEC_VENV:-.venv}/bin/activate"
-echo "==> pytest ${tier[*]:+-m \"$DEFAULT_TIER\"} ${args[*]:-}" >&2
+if [ "$all" = 1 ]; then what="every tier"; else what="the default tier: -m \"$DEFAULT_TIER\""; fi
+echo "==> pytest, $what ${args[*]:-}" >&2
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} python -m pytest -q --timeout=900 python_tests "${tier[@]}" "${args[@]}"
