@@ -11,6 +11,7 @@ for a in "$@"; do
 done
 bash scripts/install.sh
 . "${SPECDEC_VENV:-.venv}/bin/activate"
-echo "==> the main job: loading the model (the first load dequantizes the 93 MB GGUF file to float32: ~15-30 s)," \
-     "then each prompt decoded by target.generate and by each drafter; a table per prompt as it finishes" >&2
+echo "==> the main job: loading the model (imports and dequantizing the 93 MB GGUF file to float32: ~20-30 s)," \
+     "then each of the 4 built-in prompts decoded by target.generate and by each drafter (progress bars;" \
+     "~30-40 s a prompt on a 2-core CPU), then the summary tables" >&2
 PYTHONUNBUFFERED=1 python -m specdec_kernels.generate "$@"
