@@ -91,6 +91,9 @@ py=$(python_cmd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
+# torch JIT builds (the stream probe's load_inline, Triton's launchers) use these too.
+use_cuda_home
+use_system_compilers
 export_commit
 env_report "$out/env.txt" "$py"
 require_built "$py" | tee -a "$out/env.txt"

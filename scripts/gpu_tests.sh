@@ -53,6 +53,9 @@ done
 py=$(python_cmd)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# torch JIT builds (the stream probe's load_inline, Triton's launchers) use these too.
+use_cuda_home
+use_system_compilers
 env_report "$out/env.txt" "$py"
 require_built "$py" | tee -a "$out/env.txt"
 have_gpu || say "no GPU here: the GPU tests skip (Triton runs in its interpreter only with TRITON_INTERPRET=1)"

@@ -58,6 +58,9 @@ py=$(python_cmd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
+# torch JIT builds (the stream probe's load_inline, Triton's launchers) use these too.
+use_cuda_home
+use_system_compilers
 env_report "$out/env.txt" "$py"
 LOG=$out/run.log
 
