@@ -17,7 +17,8 @@ usage: bash scripts/test.sh [--all] [PYTEST ARGS...]
              tests (distributed) and the sm_90 compile tests of the Triton kernels (compile).
 
 The tiers are markers applied in python_tests/conftest.py (one table there). Other pytest
-arguments pass through, e.g. -x, -k EXPR, a file; "-m EXPR" replaces the tier's expression.
+arguments pass through, e.g. -x, -k EXPR, a file or node id (then only those run); "-m EXPR"
+replaces the tier's expression.
 Environment: OMP_NUM_THREADS (default 2) and what scripts/install.sh reads (SPECDEC_TORCH, ...).
 USAGE
 }
@@ -42,4 +43,7 @@ fi
 . "${SPECDEC_VENV:-.venv}/bin/activate"
 if [ "$all" = 1 ]; then what="every tier"; else what="the default tier: -m \"$DEFAULT_TIER\""; fi
 echo "==> pytest, $what ${args[*]:-}" >&2
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} python -m pytest -q --timeout=900 python_tests "${tier[@]}" "${args[@]}"
+# The whole suite unless the arguments name tests (a file, a folder, a node id).
+where=(python_tests)
+for a in "${args[@]}"; do [ "${a#-}" = "$a" ] && [ -e "${a%%::*}" ] && where=(); done
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} python -m pytest -q --timeout=900 "${where[@]}" "${tier[@]}" "${args[@]}"
