@@ -13,7 +13,7 @@ them). Also used to hand `--profile-one` shapes to ncu:
     ncu --clock-control none -k regex:rejection_sample --launch-skip 1 --launch-count 1 \
         python benchmarks/tune_cuda_plan.py --profile-one chain,32,bf16,none
 
-(scripts/gpu_check.sh PROFILE=1 runs both.)
+(bash scripts/profile.sh --plan-sweep --ncu runs both.)
 """
 import argparse
 import csv

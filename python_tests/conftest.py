@@ -46,8 +46,7 @@ TIERS = [
     ("slow", "test_fuzz.py", r"_fused_matches_reference$", "", "40 hypothesis examples in the interpreter; 19-27 s"),
     ("slow", "test_backends.py", r"^test_triton_interpreter_matches_reference$", r"-dtype[12]-8193-",
      "bf16/fp16 at V = 8193 (fp32 at 8193 and every dtype at V = 1, 7 stay)"),
-    ("slow", "test_backends.py", r"^test_triton_interpreter_(whole_chunk_tiles_match_reference|splits_agree|"
-     r"block_sums_every_residual_split)$", r"-(True|3|4|16)-", "the bigger variants; 8-13 s each"),
+    ("slow", "test_backends.py", r"^test_triton_interpreter_(splits_agree|block_sums_every_residual_split)$", r"-(True|3|4|16)-", "the bigger variants; 8-13 s each"),
     ("slow", "test_backends.py", r"^test_large_max_times_k_matches_reference$", r"-True-", "11 s"),
     ("slow", "test_semantics.py", r"^test_same_seeds_same_tokens_other_seeds_other_tokens$", r"-True-triton-",
      "9 s (draft_probs=False stays)"),
