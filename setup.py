@@ -5,6 +5,8 @@ The CUDA extension is built whenever torch is a CUDA build and the CUDA toolkit 
 machine with the toolkit compiles it too. SPECDEC_SKIP_CUDA=1 skips it. SPECDEC_CUDA_ARCHS
 (default "80;90") picks the SASS targets; PTX for the newest one is embedded for newer GPUs.
 Build without isolation: the extension compiles against the torch already installed.
+scripts/build.sh (what scripts/install.sh runs) decides by the machine instead: the CUDA kernel
+only where a GPU is present or SPECDEC_BUILD_CUDA=1 (CI), and no rebuild of unchanged sources.
 """
 import os
 
