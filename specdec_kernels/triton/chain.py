@@ -34,12 +34,11 @@ import triton.language as tl
 
 from ..reference.philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from . import config as _config
-from .common import (asm_table_enabled, gdc_launch_dependents, gdc_wait, pdl_enabled, philox_words,
-                     prefetch_tiles, row_split, sanitize, token_in_vocab, uniform, workspace)
+from .common import (PROGRAMS_PER_SM, asm_table_enabled, gdc_launch_dependents, gdc_wait, pdl_enabled,
+                     philox_words, prefetch_tiles, row_split, sanitize, token_in_vocab, uniform, workspace)
 from .filters import launch_row_thresholds, threshold_workspace_sizes
 from .stream import first_tile, kept_set_record, race_winner, row_table, store_table, stream_split, tile_lanes
 
-PROGRAMS_PER_SM = 4
 PROGRAMS_PER_SM_WIDE = 8
 
 
@@ -274,10 +273,11 @@ def _rejection_sample_kernel(
         g_lo = s_idx * residual_groups_per_split
         g_hi = tl.minimum(g_lo + residual_groups_per_split, num_groups)
     if UNIFORM:
-        # Rows before offsets (DECISIONS.md, "triton-rows-before-offsets"): every request has max_spec_len drafts, so with
-        # well-formed offsets (cu[b] = b * max_spec_len) row (b, t) is b (max_spec_len + 1) + t and
-        # its draft b max_spec_len + t. The split's first tile and the draft id are loaded with
-        # the request's fields instead of after them; the fields confirm the guess below.
+        # Rows before offsets (DECISIONS.md, "triton-rows-before-offsets"): every request has
+        # max_spec_len drafts, so with well-formed offsets (cu[b] = b * max_spec_len) row (b, t) is
+        # b (max_spec_len + 1) + t and its draft b max_spec_len + t. The split's first tile and the
+        # draft id are loaded with the request's fields instead of after them; the fields confirm
+        # the guess below.
         guess_ptr = logits_ptr + (b * (max_spec_len + 1) + t).to(tl.int64) * logits_row_stride
         first_raw, first_raw_hi = first_tile(guess_ptr, g_lo, lane, chunk_in_group, vocab_size, is_phase1, CHUNK,
                                               GROUP)
@@ -581,7 +581,8 @@ def rejection_sample_triton(
     n_records = 2 * units_phase1 + 2 * n_table + n_residual + B * residual_rows * residual_splits
     n_f32 = n_records + 2 * slots
     # Sampling filters: the threshold pass's workspace follows (per slot (request, row)).
-    flt_f32, flt_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks, filter_config) if has_filters else (0, 0)
+    flt_f32, flt_i32 = (threshold_workspace_sizes(slots, num_groups, num_chunks, filter_config) if has_filters
+                        else (0, 0))
     f32, i32, counters = workspace(device, n_f32 + flt_f32, units_phase1 + flt_i32, 2 * B + 2)
     filt = (f32,) * 5  # unused without filters
     if has_filters:

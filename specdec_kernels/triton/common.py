@@ -11,6 +11,9 @@ import triton
 import triton.language as tl
 
 CU_BLOCK = 1024  # request offsets scanned per step when looking for a row's request
+# Programs per SM a row split aims at unless a rule or a config says otherwise (DECISIONS.md,
+# "triton-programs-per-sm").
+PROGRAMS_PER_SM = 4
 # Triton's interpreter (CPU tests): its fma is a float32 multiply and add, rounded twice.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 

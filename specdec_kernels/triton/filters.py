@@ -40,7 +40,8 @@ import triton.language as tl
 
 from ..reference.philox import SAMPLE_CHUNK
 from . import config as _config
-from .common import CU_BLOCK, inner_contiguous, owner_request, row_split, sanitize, sanitized_cu, token_in_vocab, workspace
+from .common import (CU_BLOCK, PROGRAMS_PER_SM, inner_contiguous, owner_request, row_split, sanitize, sanitized_cu,
+                     token_in_vocab, workspace)
 
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 
@@ -379,8 +380,8 @@ def _bracket_indices(scratch_ptr, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 @triton.jit
 def _row_threshold(row_ptr, cmax_row, submax_row, scratch_ptr, buf_ptr, row_max, row_sum, k, top_k, top_p,
                    min_p, vocab_size, num_chunks, num_subs, CHUNKS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                   CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr, SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr,
-                   FINE_SUBS: tl.constexpr):
+                   CAP: tl.constexpr, TILE: tl.constexpr, PIVOT_TILE: tl.constexpr, PIVOTS: tl.constexpr,
+                   SUB: tl.constexpr, FINE_CHUNKS: tl.constexpr, FINE_SUBS: tl.constexpr):
     """The threshold logit t of one row of a filtered request: the row keeps exactly l >= t.
 
     row_max / row_sum: the row's max and its sum of exp2((l - max) k) (only read for top-p
@@ -792,7 +793,8 @@ def launch_row_thresholds(f32: torch.Tensor, i32: torch.Tensor, target_logits: t
         *args, rec_m, cmax, submax, thr, i32, buf, kept_w, kept_m, kept_z,
         dummy if excluded_drafts is None else excluded_drafts,
         0 if excluded_drafts is None else excluded_drafts.shape[0], num_requests, R, V, max_rows, stats_splits,
-        num_chunks, num_subs, filter_scratch_stride(chunks_pad, cfg.cap), SPLITS_PAD=triton.next_power_of_2(stats_splits),
+        num_chunks, num_subs, filter_scratch_stride(chunks_pad, cfg.cap),
+        SPLITS_PAD=triton.next_power_of_2(stats_splits),
         CHUNKS_PAD=chunks_pad, CAP=cfg.cap,
         TILE=cfg.tile, PIVOT_TILE=cfg.pivot_tile, PIVOTS=FILTER_PIVOTS,
         SUB=FILTER_SUB, FINE_CHUNKS=FILTER_FINE_CHUNKS, FINE_SUBS=FILTER_FINE_SUBS, SUM_BLOCK=FILTER_SUM_BLOCK,
@@ -811,7 +813,8 @@ def _row_thresholds_for_cuda(target_logits: torch.Tensor, cu: torch.Tensor, temp
     num_chunks = triton.cdiv(max(vocab, 1), SAMPLE_CHUNK)
     num_groups = triton.cdiv(num_chunks, verify_cfg.group)
     # The split the Triton verification kernel would take (the stats stream follows it).
-    num_splits, _ = row_split(target_logits.device, rows, num_groups, None, verify_cfg.programs_per_sm or 4)
+    num_splits, _ = row_split(target_logits.device, rows, num_groups, None,
+                            verify_cfg.programs_per_sm or PROGRAMS_PER_SM)
     n_f32, n_i32 = threshold_workspace_sizes(slots, num_groups, num_chunks, filter_cfg)
     f32, i32, _ = workspace(target_logits.device, n_f32, n_i32, 1)
     filters = [None if f is None else inner_contiguous(f) for f in (top_k, top_p, min_p)]

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ..reference.philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from . import config as _config
-from .common import (CU_BLOCK, asm_table_enabled, open_uniform, owner_request, philox_words, prefetch_tiles,
-                     row_split, sanitize, sanitized_cu, uniform, workspace)
+from .common import (CU_BLOCK, PROGRAMS_PER_SM, asm_table_enabled, open_uniform, owner_request, philox_words,
+                     prefetch_tiles, row_split, sanitize, sanitized_cu, uniform, workspace)
 from .filters import launch_row_thresholds, threshold_workspace_sizes
 from .stream import first_tile, kept_set_record, row_table, stream_split, tile_lanes
 
@@ -34,7 +34,6 @@ NODE_BLOCK = 64  # nodes scanned per step when looking for children
 # Unfiltered tree calls take the chain kernel's register cap too: the stream is the chain
 # kernel's (``stream.stream_split``), whose loop is written for that cap (DECISIONS.md,
 # "triton-tree-chain-stream").
-PROGRAMS_PER_SM = 4
 
 
 @triton.jit
