@@ -36,6 +36,7 @@ benchmarks/results/filters.csv with `python benchmarks/results_csv.py append`) a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -240,7 +241,7 @@ def main():
                 base_graph = None
                 for knobs in knob_runs:
                     try:
-                        run_cfg = config.replace(filter_cfg, **knobs)
+                        run_cfg = dataclasses.replace(filter_cfg, **knobs)
                     except TypeError as error:
                         raise SystemExit(f"--knob-runs: {error}") from None
                     if knobs:

@@ -13,6 +13,8 @@
 - The API: argument checks, the CUDA C++ kernel's refusal and backend "auto"'s routing to
   Triton, opcheck, torch.compile, fake shapes.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -464,7 +466,7 @@ def _agree(backend, device, args, filters, method="token"):
 def _use_filter_config(**changes):
     """Calls inside the block launch the threshold pass with these FilterConfig changes."""
     from specdec_kernels.triton import config
-    return config.use(filters=config.replace(config.active()[1], **changes))
+    return config.use(filters=dataclasses.replace(config.active()[1], **changes))
 
 
 @pytest.fixture

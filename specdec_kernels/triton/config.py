@@ -9,7 +9,6 @@ and tests pass configs. Why each default is what it is: docs/DECISIONS.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -130,8 +129,3 @@ def from_env(environ=None) -> tuple[VerifyConfig, FilterConfig]:
         cls, field = _ENV_FIELDS[name]
         values[cls][field] = raw != "0" if field in ("kept_set", "asm_table") else int(raw)
     return VerifyConfig(**values[VerifyConfig]), FilterConfig(**values[FilterConfig])
-
-
-def replace(config, **changes):
-    """A copy of ``config`` with ``changes`` (``dataclasses.replace``)."""
-    return dataclasses.replace(config, **changes)
