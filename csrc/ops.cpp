@@ -57,9 +57,10 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
       "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
-  // The same schemas for the CUDA C++ kernels with sampling filters, backend "cuda": the
-  // threshold pass (Triton, specdec_kernels/triton_filters.py), then the _cuda_filtered op below.
-  // Kernels and fakes: specdec_kernels/ops.py; callers: chain.py, tree.py.
+  // The same schemas for the CUDA C++ kernels with sampling filters: the threshold pass
+  // (_row_thresholds_cuda), then the _cuda_filtered op below. CUDA kernels: bindings/filters_cuda.cu;
+  // CPU kernels (the reference) and fakes: specdec_kernels/_ops.py; callers: the public ops' CUDA
+  // kernels when given filters (bindings/chain_cuda.cu, tree_cuda.cu).
   m.def(
       "_rejection_sample_cuda_filters(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
@@ -84,6 +85,14 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
       "int max_depth, Tensor? row_thresholds) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
+
+  // The sampling filters' threshold pass of the CUDA kernels (sm_90+): per slot (chain: request b's row
+  // t at b * max_rows + t; tree: each node row) the threshold logit, -inf where nothing is
+  // filtered. CUDA kernel: bindings/filters_cuda.cu, which also implements the _cuda_filters ops
+  // above with it; callers: those ops, python_tests/test_filters.py.
+  m.def(
+      "_row_thresholds_cuda(Tensor target_logits, Tensor cu, Tensor? temperature, Tensor? top_k, Tensor? top_p, "
+      "Tensor? min_p, bool tree, int max_rows) -> Tensor");
 
   // The CUDA kernels' host plans for given sizes, computed without a GPU (tensor-free, so their
   // kernels are registered for CompositeImplicitAutograd: bindings/chain_cuda.cu, tree_cuda.cu;

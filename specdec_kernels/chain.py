@@ -81,8 +81,8 @@ def rejection_sample(
         not is the drafter's business). Greedy requests ignore them.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
-        "auto" runs calls with any of ``top_k`` / ``top_p`` / ``min_p`` on the Triton kernel:
-        the CUDA kernel has no filters yet (it raises if given them).
+        With any of ``top_k`` / ``top_p`` / ``min_p``, the CUDA kernel runs its threshold pass
+        first (sm_90 and newer; "auto" uses the Triton kernel on older GPUs).
     validate : bool or None
         Also check the values (offsets, ids, temperatures, probabilities, filter ranges);
         synchronizes. None = $SPECDEC_VALIDATE == "1".
@@ -115,11 +115,9 @@ def rejection_sample(
         return rejection_sample_reference(*args, method=method, top_k=top_k, top_p=top_p, min_p=min_p)
     if backend == "triton":
         return _ops.triton_call(*args, method, top_k, top_p, min_p)
-    if filtered and device.type == "cuda" and _ops.cuda_kernel_built():
-        if backend == "cuda":
-            # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
-            return torch.ops.specdec._rejection_sample_cuda_filters(*args, method, top_k, top_p, min_p)
-        # "auto": the Triton kernel's op (it also verifies rows from their kept set: faster).
+    if (filtered and backend == "auto" and device.type == "cuda" and _ops.cuda_kernel_built()
+            and not _ops.cuda_filters_supported(device.index)):
+        # The CUDA kernel's threshold pass needs sm_90: the Triton kernel has the filters here.
         return torch.ops.specdec._rejection_sample_triton(*args, method, top_k, top_p, min_p)
     return torch.ops.specdec.rejection_sample(*args, method, top_k, top_p, min_p)
 

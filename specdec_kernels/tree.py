@@ -62,8 +62,8 @@ def tree_rejection_sample(
         filtered target. Greedy requests ignore them.
     backend : {"auto", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (on CUDA tensors: the CUDA C++ kernel when it was
-        built, else the Triton kernel; calls with filters run the Triton kernel, since the CUDA
-        C++ kernel does not implement them yet).
+        built, else the Triton kernel; with filters the CUDA kernel runs its threshold pass
+        first on sm_90 and newer, and "auto" uses the Triton kernel on older GPUs).
     validate : bool or None
         Also check the values (``tree_utils.check_tree``: offsets, root and parent links, ids,
         distinct siblings for deterministic drafts, depth <= max_depth; temperatures,
@@ -97,10 +97,8 @@ def tree_rejection_sample(
         return tree_rejection_sample_reference(*args, top_k=top_k, top_p=top_p, min_p=min_p)
     if backend == "triton":
         return _ops.tree_triton_call(*args, top_k, top_p, min_p)
-    if filtered and device.type == "cuda" and _ops.cuda_kernel_built(_ops.TREE_REJECTION_SAMPLE):
-        if backend == "cuda":
-            # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
-            return torch.ops.specdec._tree_rejection_sample_cuda_filters(*args, top_k, top_p, min_p)
-        # "auto": the Triton kernel's op (it also verifies rows from their kept set).
+    if (filtered and backend == "auto" and device.type == "cuda" and _ops.cuda_kernel_built(_ops.TREE_REJECTION_SAMPLE)
+            and not _ops.cuda_filters_supported(device.index)):
+        # The CUDA kernel's threshold pass needs sm_90: the Triton kernel has the filters here.
         return torch.ops.specdec._tree_rejection_sample_triton(*args, top_k, top_p, min_p)
     return torch.ops.specdec.tree_rejection_sample(*args, top_k, top_p, min_p)
