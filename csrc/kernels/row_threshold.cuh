@@ -9,7 +9,7 @@
 //   with mass(l >= v) >= p * Z_k (by mass). Level 0 bins the row by log-probability
 //   (kThrLogBins bins per halving of the probability below M, the last bin catching everything
 //   further down), so that the bins split where the mass is; each later level splits the chosen
-//   bin's key range into 256 digits, until the range is one float: at most 1 + 4 levels per
+//   bin's key range into kThrBins digits, until the range is one float: at most 1 + 4 levels per
 //   selection, whatever the row. After level 0 each CTA keeps the chosen bin's entries in a short
 //   list (when they fit), so later levels read a handful of entries, not the slice.
 // - min-p: closed form, a bisection on the float bits (no memory traffic).
@@ -33,14 +33,15 @@
 
 namespace specdec {
 
-constexpr int kThrThreads = 256;
+constexpr int kThrThreads = 1024;  // one bin per thread in the scans
 constexpr int kThrWarps = kThrThreads / 32;
 constexpr int kThrCluster = 8;  // CTAs per row: the portable cluster size
-constexpr int kThrBins = 256;
+constexpr int kThrBins = kThrThreads;
+constexpr int kThrDigitBits = 10;  // log2(kThrBins): a sub-level's digit
 constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
-constexpr float kThrLogBins = 8.0f;  // level-0 bins per halving of the probability
+constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
-constexpr int kThrListCap = 1024;  // entries of a CTA's short list after level 0
+constexpr int kThrListCap = 2048;  // entries of a CTA's short list after level 0
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
 
 struct RowThresholdParams {
@@ -201,9 +202,9 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   const int buf = level & 1;
   const float k_bins = k * kThrLogBins;
   const bool fill_list = !sel.level0 && !use_list;
-  // Digits of a sub-level: (key - lo) >> shift, in [0, 255].
+  // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
-  const int shift = max(0, 32 - __clz(width) - 8);
+  const int shift = max(0, 32 - __clz(width) - kThrDigitBits);
   for (int i = threadIdx.x; i < kThrBins; i += kThrThreads) {
     sm.cnt[buf][i] = 0;
     sm.mass[buf][i] = 0;
@@ -213,28 +214,53 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   unsigned int tail_c = 0;
   unsigned long long tail_m = 0;
   const int count = use_list ? sm.list_n : n;
-  for (int i = threadIdx.x; i < count; i += kThrThreads) {
-    const float x = use_list ? value_of(sm.list[i]) : rs_detail::sanitize(to_float(slice[i]));
-    const uint32_t key = key_of(x);
-    if (key < floor_key) continue;
-    int bin;
-    if (sel.level0) {
-      bin = log_bin(x, row_max, k_bins);
-    } else {
-      if (key < sel.lo || key > sel.hi) continue;
-      bin = static_cast<int>((key - sel.lo) >> shift);
-      if (fill_list) {
-        const int at = atomicAdd(&sm.list_n, 1);
-        if (at < kThrListCap) sm.list[at] = key;
+  const int lane = threadIdx.x & 31;
+  // Whole warps run every iteration (count rounded up), so that the list appends and the
+  // count-only bins are warp-aggregated: one shared atomic per warp, not one per member.
+  const int rounded = (count + 31) & ~31;
+  for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
+    bool member = false;
+    int bin = 0;
+    uint32_t key = 0;
+    float x = -INFINITY;
+    if (i < count) {
+      x = use_list ? value_of(sm.list[i]) : rs_detail::sanitize(to_float(slice[i]));
+      key = key_of(x);
+      if (key >= floor_key) {
+        if (sel.level0) {
+          member = true;
+          bin = log_bin(x, row_max, k_bins);
+        } else if (key >= sel.lo && key <= sel.hi) {
+          member = true;
+          bin = static_cast<int>((key - sel.lo) >> shift);
+        }
       }
     }
-    const unsigned long long m = need_mass ? mass_of(x, row_max, k) : 0ull;
-    if (sel.level0 && bin == kThrBins - 1) {  // the catch-all bin: summed in registers
+    if (fill_list) {
+      const unsigned ballot = __ballot_sync(kFullMask, member);
+      int base = 0;
+      if (lane == 0 && ballot != 0) base = atomicAdd(&sm.list_n, __popc(ballot));
+      base = __shfl_sync(kFullMask, base, 0);
+      const int at = base + __popc(ballot & ((1u << lane) - 1u));
+      if (member && at < kThrListCap) sm.list[at] = key;
+    }
+    // The catch-all bin is summed in registers; the others with shared atomics. Every lane of
+    // the warp reaches the __match_any_sync (need_mass is uniform over the CTA).
+    const bool tail = member && sel.level0 && bin == kThrBins - 1;
+    const bool binned = member && !tail;
+    if (tail) {
       tail_c += 1;
-      tail_m += m;
+      if (need_mass) tail_m += mass_of(x, row_max, k);
+    }
+    if (need_mass) {
+      if (binned) {
+        atomicAdd(&sm.cnt[buf][bin], 1u);
+        atomicAdd(&sm.mass[buf][bin], mass_of(x, row_max, k));
+      }
     } else {
-      atomicAdd(&sm.cnt[buf][bin], 1u);
-      if (need_mass) atomicAdd(&sm.mass[buf][bin], m);
+      // Counts only: one atomic per distinct bin of the warp.
+      const unsigned peers = __match_any_sync(kFullMask, binned ? bin : -1);
+      if (binned && lane == __ffs(peers) - 1) atomicAdd(&sm.cnt[buf][bin], static_cast<unsigned>(__popc(peers)));
     }
   }
   if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm.cnt[buf], sm.mass[buf], kThrBins - 1);
@@ -255,7 +281,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     sm.red_mass[buf][threadIdx.x] = m;
   }
   cluster.sync();
-  // Thread j holds the j-th bin in descending value order (level 0: bin j; later: digit 255 - j).
+  // Thread j holds the j-th bin in descending value order (level 0: bin j; later: digit kThrBins - 1 - j).
   const int j = threadIdx.x;
   const int bin = sel.level0 ? j : kThrBins - 1 - j;
   const int owner = bin / kThrBinsPerRank, at = bin % kThrBinsPerRank;
@@ -265,7 +291,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   unsigned long long m = m_bin;
   block_scan(c, m, sm);
   if (sel.level0 && by_mass) {
-    // The mass at or above the floor is level 0's total (thread 255's inclusive sum).
+    // The mass at or above the floor is level 0's total (the last thread's inclusive sum).
     if (j == kThrThreads - 1) sm.pick_mass_incl = m;
     __syncthreads();
     sel.goal_mass = goal_fraction * static_cast<double>(sm.pick_mass_incl);
