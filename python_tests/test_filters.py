@@ -880,7 +880,7 @@ def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab):
                                                  None, False, 1).cpu()
     exact = 0
     for b in range(B):
-        keep = filter_keep_mask(logits[b].double(), 1 / temperature[b].double(), 0, top_p[b].double(), 0.0)
+        keep = filter_keep_mask(logits[b].double(), 1 / temperature[b].double(), None, top_p[b].double(), None)
         got = logits[b] >= thr[b]
         if torch.equal(got, keep):
             exact += 1

@@ -33,11 +33,11 @@
 
 namespace specdec {
 
-constexpr int kThrThreads = 1024;  // one bin per thread in the scans
+constexpr int kThrThreads = 512;  // one bin per thread in the scans
 constexpr int kThrWarps = kThrThreads / 32;
 constexpr int kThrCluster = 8;  // CTAs per row: the portable cluster size
 constexpr int kThrBins = kThrThreads;
-constexpr int kThrDigitBits = 10;  // log2(kThrBins): a sub-level's digit
+constexpr int kThrDigitBits = 9;  // log2(kThrBins): a sub-level's digit
 constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
 constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
@@ -104,10 +104,14 @@ __device__ __forceinline__ unsigned long long mass_of(float x, float row_max, fl
 }
 
 struct Shared {
-  unsigned int cnt[2][kThrBins];
-  unsigned long long mass[2][kThrBins];
-  unsigned int red_cnt[2][kThrBinsPerRank];
-  unsigned long long red_mass[2][kThrBinsPerRank];
+  unsigned int cnt[kThrBins];  // this CTA's histogram of the level
+  unsigned long long mass[kThrBins];
+  // The cluster's histogram, bins [rank * kThrBinsPerRank, ...) on CTA `rank`: the CTAs add theirs
+  // into it with distributed-shared-memory atomics. Three buffers, level L using L % 3: one
+  // cluster barrier per level suffices (a buffer is zeroed by its owner one level before its use,
+  // after everyone has read it two levels before).
+  unsigned int red_cnt[3][kThrBinsPerRank];
+  unsigned long long red_mass[3][kThrBinsPerRank];
   uint32_t list[kThrListCap];
   int list_n;
   float cta_max;
@@ -199,15 +203,19 @@ template <typename T>
 __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                              int level, uint32_t floor_key, Selection& sel, bool need_mass, bool by_mass,
                              unsigned int goal_cnt, double goal_fraction, float row_max, float k, bool& use_list) {
-  const int buf = level & 1;
+  const int rb = level % 3;
   const float k_bins = k * kThrLogBins;
   const bool fill_list = !sel.level0 && !use_list;
   // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
   const int shift = max(0, 32 - __clz(width) - kThrDigitBits);
   for (int i = threadIdx.x; i < kThrBins; i += kThrThreads) {
-    sm.cnt[buf][i] = 0;
-    sm.mass[buf][i] = 0;
+    sm.cnt[i] = 0;
+    sm.mass[i] = 0;
+  }
+  for (int i = threadIdx.x; i < kThrBinsPerRank; i += kThrThreads) {
+    sm.red_cnt[(level + 1) % 3][i] = 0;
+    sm.red_mass[(level + 1) % 3][i] = 0;
   }
   if (fill_list && threadIdx.x == 0) sm.list_n = 0;
   __syncthreads();
@@ -254,39 +262,35 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     }
     if (need_mass) {
       if (binned) {
-        atomicAdd(&sm.cnt[buf][bin], 1u);
-        atomicAdd(&sm.mass[buf][bin], mass_of(x, row_max, k));
+        atomicAdd(&sm.cnt[bin], 1u);
+        atomicAdd(&sm.mass[bin], mass_of(x, row_max, k));
       }
     } else {
       // Counts only: one atomic per distinct bin of the warp.
       const unsigned peers = __match_any_sync(kFullMask, binned ? bin : -1);
-      if (binned && lane == __ffs(peers) - 1) atomicAdd(&sm.cnt[buf][bin], static_cast<unsigned>(__popc(peers)));
+      if (binned && lane == __ffs(peers) - 1) atomicAdd(&sm.cnt[bin], static_cast<unsigned>(__popc(peers)));
     }
   }
-  if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm.cnt[buf], sm.mass[buf], kThrBins - 1);
-  cluster.sync();
+  if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm.cnt, sm.mass, kThrBins - 1);
+  __syncthreads();
   // From the next level on, a CTA whose members all fit reads its list instead of its slice.
   if (fill_list) use_list = sm.list_n <= kThrListCap;
-  // Combine: CTA r sums bins [r * kThrBinsPerRank, ...) over the cluster, in rank order.
-  const int rank = static_cast<int>(cluster.block_rank());
-  if (threadIdx.x < kThrBinsPerRank) {
-    const int bin = rank * kThrBinsPerRank + static_cast<int>(threadIdx.x);
-    unsigned int c = 0;
-    unsigned long long m = 0;
-    for (int q = 0; q < kThrCluster; ++q) {
-      c += cluster.map_shared_rank(&sm.cnt[buf][bin], q)[0];
-      m += cluster.map_shared_rank(&sm.mass[buf][bin], q)[0];
+  // Add this CTA's bins into their owners' (integer atomics: the same sums in any order).
+  for (int b = threadIdx.x; b < kThrBins; b += kThrThreads) {
+    const unsigned int c = sm.cnt[b];
+    if (c != 0) {
+      const int owner = b / kThrBinsPerRank, at = b % kThrBinsPerRank;
+      atomicAdd(cluster.map_shared_rank(&sm.red_cnt[rb][at], owner), c);
+      if (need_mass) atomicAdd(cluster.map_shared_rank(&sm.red_mass[rb][at], owner), sm.mass[b]);
     }
-    sm.red_cnt[buf][threadIdx.x] = c;
-    sm.red_mass[buf][threadIdx.x] = m;
   }
   cluster.sync();
   // Thread j holds the j-th bin in descending value order (level 0: bin j; later: digit kThrBins - 1 - j).
   const int j = threadIdx.x;
   const int bin = sel.level0 ? j : kThrBins - 1 - j;
   const int owner = bin / kThrBinsPerRank, at = bin % kThrBinsPerRank;
-  const unsigned int c_bin = cluster.map_shared_rank(&sm.red_cnt[buf][at], owner)[0];
-  const unsigned long long m_bin = cluster.map_shared_rank(&sm.red_mass[buf][at], owner)[0];
+  const unsigned int c_bin = cluster.map_shared_rank(&sm.red_cnt[rb][at], owner)[0];
+  const unsigned long long m_bin = cluster.map_shared_rank(&sm.red_mass[rb][at], owner)[0];
   unsigned int c = c_bin;
   unsigned long long m = m_bin;
   block_scan(c, m, sm);
@@ -477,7 +481,11 @@ __global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThr
     slice[i] = v;
     local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
   }
-  local_max = block_max(local_max, sm);  // (its barriers also publish the slice)
+  for (int i = threadIdx.x; i < 3 * kThrBinsPerRank; i += kThrThreads) {
+    sm.red_cnt[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
+    sm.red_mass[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
+  }
+  local_max = block_max(local_max, sm);  // (its barriers also publish the slice and the zeros)
   if (threadIdx.x == 0) sm.cta_max = local_max;
   cluster.sync();
   float row_max = -INFINITY;
