@@ -313,7 +313,8 @@ def test_thinking_budget_holder_calls_as_vllm():
 
     logits = torch.zeros(3, 6)
     logits[:, 1] = 5
-    sm = full_metadata(torch.zeros(1), output_token_ids=[[2]], spec_token_ids=[[3, 1]], thinking_budget_state_holder=Holder())
+    sm = full_metadata(torch.zeros(1), output_token_ids=[[2]], spec_token_ids=[[3, 1]],
+                       thinking_budget_state_holder=Holder())
     assert run(logits, [2], [3, 1], sm).tolist() == [[3, 1, 4]]
     # The bonus rows first (vLLM's Sampler runs before the draft rows' pass), then the draft rows.
     assert calls == [("update", [[2]], [[3, 1]], None), ("apply", True, (1, 6)), ("apply", False, (2, 6))]
@@ -416,7 +417,8 @@ VLLM_SPECULATIVE_CONFIG = [
 # no module is named.
 BEHAVIOUR_TESTS = {
     "temperature": ["test_vllm_adapter::test_module_equals_op", "test_vllm_adapter::test_filtered_law_is_exact"],
-    "all_greedy": ["test_vllm_adapter::test_module_equals_op", "test_processors_that_cannot_be_applied_are_reported_and_raise"],
+    "all_greedy": ["test_vllm_adapter::test_module_equals_op",
+                   "test_processors_that_cannot_be_applied_are_reported_and_raise"],
     "top_p": ["test_vllm_adapter::test_top_k_top_p_never_emit_filtered_tokens"],
     "top_k": ["test_vllm_adapter::test_filters_go_to_the_op_without_copying_logits", "test_penalties_law_is_exact"],
     "generators": ["test_vllm_adapter::test_seeded_requests_reproducible"],
