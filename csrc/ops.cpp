@@ -29,14 +29,14 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
   // Tree verification; kernels as for rejection_sample
   // (bindings/tree_cuda.cu).
   m.def(
       "tree_rejection_sample(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
-      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 
   // ------------------------------------------------------------------------- private ops

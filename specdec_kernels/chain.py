@@ -79,10 +79,11 @@ def rejection_sample(
         verification and the final token use the filtered target, so the emitted tokens
         follow it exactly. ``draft_probs`` must be what the drafter sampled from (filtered or
         not is the drafter's business). Greedy requests ignore them.
-    backend : {"auto", "cuda", "triton", "reference"} or None
+    backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
-        "auto" runs calls with any of ``top_k`` / ``top_p`` / ``min_p`` on the Triton kernel:
-        the CUDA kernel has no filters yet (it raises if given them).
+        "auto" on CPU tensors runs the fused C++ CPU kernel ("cpu", the op's CPU dispatch; it
+        has the filters); on CUDA tensors it runs calls with any of ``top_k`` / ``top_p`` /
+        ``min_p`` on the Triton kernel: the CUDA kernel has no filters yet (it raises if given them).
     validate : bool or None
         Also check the values (offsets, ids, temperatures, probabilities, filter ranges);
         synchronizes. None = $SPECDEC_VALIDATE == "1".

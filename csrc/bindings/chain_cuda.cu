@@ -271,7 +271,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
-    const std::optional<at::Tensor>& min_p) {
+    const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& lenience) {
+  // Lenience (issue #39) is implemented by the CPU kernel only in this build.
+  TORCH_CHECK(!lenience.has_value(), kOp, ": lenience is not implemented by the CUDA kernel in this build");
   // The filters need the threshold pass first (Triton, specdec_kernels/triton_filters.py): the
   // Python API runs it and calls _rejection_sample_cuda_filtered.
   TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
