@@ -41,10 +41,14 @@ CPU_SOURCES = sorted(f for f in os.listdir(os.path.join(HERE, "csrc", "cpu")) if
 
 def extensions():
     sources = ["csrc/ops.cpp"] + [f"csrc/cpu/{f}" for f in CPU_SOURCES]
-    cxx = ["-O3", "-Wno-psabi"]  # torch adds the -std it was built with; psabi: csrc/cpu/vec.h's inline vector helpers
+    # torch adds the -std it was built with; psabi: csrc/cpu/vec.h's inline vector helpers. OpenMP:
+    # at::parallel_for is inline (ATen/ParallelOpenMP.h), so without -fopenmp the CPU kernels would
+    # run every request on one thread.
+    openmp = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
+    cxx = ["-O3", "-Wno-psabi", *openmp]
     if not BUILD_CUDA:
         return [CppExtension("specdec_kernels._C", sources, include_dirs=[os.path.join(HERE, "csrc")],
-                             extra_compile_args={"cxx": cxx})]
+                             extra_compile_args={"cxx": cxx}, extra_link_args=openmp)]
     # SPECDEC_NVCC_FLAGS: extra nvcc flags for experiments (e.g. the -D tuning macros of csrc/kernels).
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", *cuda_arch_flags(), *os.environ.get("SPECDEC_NVCC_FLAGS", "").split()]
     return [
@@ -53,6 +57,7 @@ def extensions():
             sources + [f"csrc/bindings/{f}" for f in CUDA_SOURCES],
             include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={"cxx": cxx + ["-DSPECDEC_WITH_CUDA"], "nvcc": nvcc},
+            extra_link_args=openmp,
         )
     ]
 
