@@ -1,8 +1,9 @@
 // Every specdec op schema, defined once, here, for every backend and every build.
 //
 // Kernels register themselves elsewhere, per dispatch key:
-// - CPU (the reference), Meta/fake, and the Triton kernels on CUDA: from Python
-//   (specdec_kernels/ops.py);
+// - CPU: the fused C++ kernels of the public ops (csrc/cpu/, every build); the private twins'
+//   CPU kernel (the reference), Meta/fake, and the Triton kernels on CUDA: from Python
+//   (specdec_kernels/_ops.py);
 // - the fused CUDA kernels, when the extension is built with CUDA: the torch bindings in
 //   csrc/bindings/ (chain_cuda.cu, tree_cuda.cu), with TORCH_LIBRARY_IMPL blocks only.
 // A schema whose kernel exists only in some builds (the CUDA bindings' private ops, the profiling
@@ -24,19 +25,19 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(specdec, m) {
   // ---------------------------------------------------------------------------- public ops
 
-  // Chain verification. CPU: the reference; CUDA: the fused CUDA kernel
+  // Chain verification. CPU: the fused C++ kernel (cpu/chain_cpu.cpp); CUDA: the fused CUDA kernel
   // (bindings/chain_cuda.cu) when built, else the Triton kernel (specdec_kernels/ops.py).
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
   // Tree verification; kernels as for rejection_sample
   // (bindings/tree_cuda.cu).
   m.def(
       "tree_rejection_sample(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
-      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 
   // ------------------------------------------------------------------------- private ops

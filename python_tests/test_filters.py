@@ -31,12 +31,12 @@ SAMPLES = 20000
 INTERPRETER = TRITON_ON_CPU and not HAS_CUDA and "triton" in gpu_backends()
 # Where the statistical tests run: the reference, and every GPU backend that has the filters (the
 # CUDA C++ kernels need Triton for their threshold pass).
-DIST_BACKENDS = [("reference", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else []) + (
+DIST_BACKENDS = [("reference", "cpu"), ("cpu", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else []) + (
     [("cuda", "cuda")] if HAS_CUDA and "triton" in gpu_backends() and ops.cuda_kernel_built()
     and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE) else [])
 # Agreement with the reference: the Triton kernel, on the GPU or in the interpreter.
-FUSED = ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
-         [("triton", "cpu")] if INTERPRETER else [])
+FUSED = [("cpu", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
+                             [("triton", "cpu")] if INTERPRETER else [])
 interpreter_only = pytest.mark.skipif(not INTERPRETER, reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
 
 

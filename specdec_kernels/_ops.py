@@ -2,7 +2,9 @@
 
 Registrations only: the schemas are defined once, in C++ (csrc/ops.cpp). Registered here, for
 each op:
-- CPU: the reference (specdec_kernels.reference) in float64;
+- CPU: nothing for ``rejection_sample`` and ``tree_rejection_sample``, whose CPU key the fused C++
+  kernels of specdec_kernels._C own (csrc/cpu/); the reference (specdec_kernels.reference, float64)
+  for the private twins below;
 - Meta/fake: output shapes only, for torch.compile and FakeTensor tracing;
 - CUDA: the fused Triton kernel, unless the C++ extension has a fused CUDA kernel for the op
   (which then owns the CUDA key; today rejection_sample). If neither is available, calling
@@ -46,6 +48,11 @@ _CUDA_BUILT = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
                for op in (REJECTION_SAMPLE, TREE_REJECTION_SAMPLE)}
 
 
+def cpu_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
+    """True when specdec_kernels._C registers the fused C++ CPU kernel of ``op`` (every build does)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
+
+
 def cuda_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
     """True when the fused CUDA C++ kernel of ``op`` was compiled into specdec_kernels._C."""
     return _CUDA_BUILT[op]
@@ -79,7 +86,7 @@ _lib = torch.library.Library("specdec", "IMPL")
 @torch.library.register_fake(REJECTION_SAMPLE)
 def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                            temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
-                           top_p=None, min_p=None):
+                           top_p=None, min_p=None, lenience=None):
     batch = cu_num_draft_tokens.shape[0] - 1
     out = target_logits.new_empty((batch, max_spec_len + 1), dtype=torch.int32)
     return out, target_logits.new_empty((batch,), dtype=torch.int32)
@@ -112,6 +119,13 @@ def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, d
                                       top_k=top_k, top_p=top_p, min_p=min_p)
 
 
+def _no_gpu_lenience(op: str, lenience):
+    # The lenience branch (issue #39) implements lenience in the GPU kernels; until it is merged
+    # only the CPU kernel has it.
+    if lenience is not None:
+        raise NotImplementedError(f"{op} on CUDA: lenience is implemented only by the CPU kernel in this build")
+
+
 def _no_gpu_backend(op: str):
     raise RuntimeError(
         f"{op} on CUDA: no GPU backend is available -- the CUDA kernel was not built into "
@@ -120,9 +134,10 @@ def _no_gpu_backend(op: str):
 
 def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
-                                  top_p=None, min_p=None):
+                                  top_p=None, min_p=None, lenience=None):
     if rejection_sample_triton is None:
         _no_gpu_backend(REJECTION_SAMPLE)
+    _no_gpu_lenience(REJECTION_SAMPLE, lenience)
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                   temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
     return triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
@@ -131,7 +146,7 @@ def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_t
 
 @torch.library.register_fake(TREE_REJECTION_SAMPLE)
 def _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                                seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None):
+                                seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None, lenience=None):
     batch = cu_num_nodes.shape[0] - 1
     out = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
     nodes = target_logits.new_empty((batch, max_depth + 1), dtype=torch.int32)
@@ -151,9 +166,10 @@ def _tree_rejection_sample_cpu(target_logits, tokens, parents, cu_num_nodes, dra
 
 def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                        temperature, seeds, offsets, max_depth, top_k=None, top_p=None,
-                                       min_p=None):
+                                       min_p=None, lenience=None):
     if tree_rejection_sample_triton is None:
         _no_gpu_backend(TREE_REJECTION_SAMPLE)
+    _no_gpu_lenience(TREE_REJECTION_SAMPLE, lenience)
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                        temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
     return tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
@@ -193,8 +209,12 @@ def cuda_filters_supported(device_index: int) -> bool:
     return (_CUDA_BUILT[REJECTION_SAMPLE] and _CUDA_BUILT[TREE_REJECTION_SAMPLE]
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
-_lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
-_lib.impl("tree_rejection_sample", _tree_rejection_sample_cpu, "CPU")
+# rejection_sample and tree_rejection_sample on CPU tensors: the C++ kernels (csrc/cpu/) own the
+# key; the reference stays reachable as backend="reference" (chain.py, tree.py call it directly).
+for _op in (REJECTION_SAMPLE, TREE_REJECTION_SAMPLE):
+    if not cpu_kernel_built(_op):
+        raise ImportError(f"specdec_kernels._C registers no CPU kernel for {_op}: the compiled extension is older "
+                          "than the Python package; rebuild it (pip install --no-build-isolation -e .)")
 if not _CUDA_BUILT[REJECTION_SAMPLE]:
     _lib.impl("rejection_sample", _rejection_sample_cuda_triton, "CUDA")
 if not _CUDA_BUILT[TREE_REJECTION_SAMPLE]:

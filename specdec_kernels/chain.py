@@ -79,10 +79,12 @@ def rejection_sample(
         verification and the final token use the filtered target, so the emitted tokens
         follow it exactly. ``draft_probs`` must be what the drafter sampled from (filtered or
         not is the drafter's business). Greedy requests ignore them.
-    backend : {"auto", "cuda", "triton", "reference"} or None
+    backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
-        With any of ``top_k`` / ``top_p`` / ``min_p``, the CUDA kernel runs its threshold pass
-        first (sm_90 and newer; "auto" uses the Triton kernel on older GPUs).
+        "auto" on CPU tensors runs the fused C++ CPU kernel ("cpu", the op's CPU dispatch; it
+        has the filters); on CUDA tensors the CUDA kernel, which runs its threshold pass first
+        when given any of ``top_k`` / ``top_p`` / ``min_p`` (sm_90 and newer; on older GPUs
+        "auto" uses the Triton kernel for filtered calls).
     validate : bool or None
         Also check the values (offsets, ids, temperatures, probabilities, filter ranges);
         synchronizes. None = $SPECDEC_VALIDATE == "1".

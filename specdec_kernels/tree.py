@@ -60,10 +60,11 @@ def tree_rejection_sample(
         target row of a random request (temperature -> top-k -> top-p -> min-p; a threshold
         pass before the kernel, docs/ALGORITHM.md §7); the walk and the final token use the
         filtered target. Greedy requests ignore them.
-    backend : {"auto", "cuda", "triton", "reference"} or None
-        None = $SPECDEC_BACKEND or "auto" (on CUDA tensors: the CUDA C++ kernel when it was
-        built, else the Triton kernel; with filters the CUDA kernel runs its threshold pass
-        first on sm_90 and newer, and "auto" uses the Triton kernel on older GPUs).
+    backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
+        None = $SPECDEC_BACKEND or "auto" (on CPU tensors: the fused C++ CPU kernel, "cpu"; on
+        CUDA tensors: the CUDA C++ kernel when it was built, else the Triton kernel; with filters
+        the CUDA kernel runs its threshold pass first on sm_90 and newer, and "auto" uses the
+        Triton kernel on older GPUs).
     validate : bool or None
         Also check the values (``tree_utils.check_tree``: offsets, root and parent links, ids,
         distinct siblings for deterministic drafts, depth <= max_depth; temperatures,

@@ -272,7 +272,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
-    const std::optional<at::Tensor>& min_p) {
+    const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& lenience) {
+  TORCH_CHECK(!lenience.has_value(), kOp, ": lenience is not implemented by the CUDA kernel in this build");
   if (top_k.has_value() || top_p.has_value() || min_p.has_value()) {
     // The threshold pass, then the kernel with the thresholds (bindings/filters_cuda.cu).
     using Opt = const std::optional<at::Tensor>&;

@@ -222,7 +222,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
     const at::Tensor& cu_num_nodes, const std::optional<at::Tensor>& draft_probs,
     const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seeds,
     const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& top_k,
-    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
+    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& lenience) {
+  TORCH_CHECK(!lenience.has_value(), kOp, ": lenience is not implemented by the CUDA kernel in this build");
   if (top_k.has_value() || top_p.has_value() || min_p.has_value()) {
     // The threshold pass, then the kernel with the thresholds (bindings/filters_cuda.cu).
     using Opt = const std::optional<at::Tensor>&;
