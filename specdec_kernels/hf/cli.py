@@ -22,6 +22,15 @@ the measured draft/target cost ratio ``c`` (Leviathan et al. 2022, Thm 3.8):
 by draft: the same output law, never fewer accepted drafts in expectation; it changes only
 sampled runs (greedy output is the same). The theory columns are token verification's.
 
+``--lenience L [L ...]`` (e.g. ``--sample --lenience 1 0.7 0.5 0.3``) runs the opt-in, NOT exact
+lenient verification of docs/ALGORITHM.md §8 instead of the summary above: for each drafter
+and each l, acceptance, tokens per step, the speedup over ``generate``, the target's mean
+log-likelihood of the generated tokens and the total-variation distance of the first emitted
+token from the target on a fixed set of contexts (the prompts, and the prompts followed by the
+first tokens of ``generate``'s output), measured over ``--tv-draws`` seeded steps and from the
+closed form; ``--csv PATH`` writes the table (benchmarks/plot_lenience.py draws speed against
+quality from it).
+
 ``--tree`` adds tree mode for the model-based drafters ("early-exit-tree", "draft-model-tree"):
 each step the drafter expands an EAGLE-2 style top-k tree (``--tree-shape NODES,TOP_K,DEPTH``)
 and the target verifies all its nodes in one forward (``tree_rejection_sample``). The chain
@@ -41,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import default_model, drafters
+from . import default_model, drafters, quality
 from . import speculative as hf
 
 DEFAULT_DRAFTERS = ("prompt-lookup", "early-exit")
@@ -138,6 +147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "memory-bound, and extra threads stall when another process shares the cores)")
     parser.add_argument("--allow-download", action="store_true", help="let transformers download missing models")
     parser.add_argument("--no-baseline", action="store_true", help="skip timing the target's own generate")
+    parser.add_argument("--lenience", type=float, nargs="+", default=None, metavar="L",
+                        help="opt-in, NOT exact: sweep these lenience values in (0, 1] (1 = exact) and print speed "
+                             "against quality (docs/ALGORITHM.md §8)")
+    parser.add_argument("--tv-draws", type=int, default=1000,
+                        help="--lenience: seeded steps per context for the measured first-token distance")
+    parser.add_argument("--csv", default=None, help="--lenience: write the table to this CSV (long format)")
     args = parser.parse_args(argv)
     if args.temperature is None:
         args.temperature = DEFAULT_SAMPLING_TEMPERATURE if args.sample else 0.0
@@ -147,6 +162,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.method == "block" and (args.tree or tree_drafters):
         parser.error("--method block verifies chains only: tree mode (--tree, the *-tree drafters) has no block "
                      "variant; use --method token for trees")
+    if args.lenience is not None:
+        if not all(0.0 < v <= 1.0 for v in args.lenience):
+            parser.error(f"--lenience values must be in (0, 1] (1 = exact), got {args.lenience}")
+        if args.method == "block":
+            parser.error("--lenience has no block form: use --method token")
+        if args.tv_draws < 1:
+            parser.error("--tv-draws must be >= 1")
+    elif args.csv is not None:
+        parser.error("--csv writes the --lenience table: pass --lenience too")
     if args.repeats < 1 or args.k < 0 or args.max_new_tokens < 1:
         parser.error("--repeats and --max-new-tokens must be >= 1, --k >= 0")
     try:
@@ -428,7 +452,8 @@ def run_baseline(target, prompt: Prompt, args: argparse.Namespace, eos: set[int]
 
 
 def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, args: argparse.Namespace,
-                    max_new_tokens: int, progress: _Progress | None = None) -> RunRecord:
+                    max_new_tokens: int, progress: _Progress | None = None, lenience: float | None = None
+                    ) -> RunRecord:
     """Time ``speculative_generate`` on one prompt (one request), logging every verify step.
 
     Returns
@@ -453,7 +478,7 @@ def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, 
                                      num_draft_tokens=None if drafter.is_tree else args.k,
                                      temperature=args.temperature, top_k=args.top_k,
                                      top_p=args.top_p, seed=args.seed, on_step=on_step,
-                                     method=args.method)
+                                     method=args.method, lenience=lenience)
     _sync(args.device)
     seconds = time.perf_counter() - start
     # A step emits its accepted drafts + 1 token, except that the last step may be cut at EOS:
@@ -552,6 +577,149 @@ def print_summary(names: list[str], prompts: list[Prompt], records: dict[tuple[s
               "target.generate token. verify: top-k/top-p, the rejection-sampling op and reading its result.)")
 
 
+# ---------------------------------------------------------------------------------------------
+# Lenience: speed against quality (docs/ALGORITHM.md §8)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (the `card` of a CPU run's CSV rows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "cpu"
+
+
+def _commit() -> str:
+    import os
+    import subprocess
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def lenience_contexts(prompts: list[Prompt], records: dict, have_baseline: bool, prefix: int = 16) -> list[list[int]]:
+    """The fixed contexts of the first-token distance: each prompt, and each prompt followed by
+    the first ``prefix`` tokens of ``generate``'s output on it (when it ran and emitted that many)."""
+    contexts = [list(p.token_ids) for p in prompts]
+    if have_baseline:
+        for p in prompts:
+            out = records[("generate", p.label)].tokens
+            if len(out) >= prefix:
+                contexts.append(list(p.token_ids) + out[:prefix])
+    return contexts
+
+
+def run_lenience_sweep(target, built: dict, names: list[str], prompts: list[Prompt], args: argparse.Namespace,
+                       eos: set[int], pad: int, description: str) -> list[dict]:
+    """Every drafter at every ``args.lenience`` on every prompt (and ``generate``), then the
+    quality measures (``quality``); prints the table and returns its rows."""
+    have_baseline = not args.no_baseline
+    records: dict[tuple[str, str], RunRecord] = {}
+    runs = ([("generate", None)] if have_baseline else []) + [(n, lam) for n in names for lam in args.lenience]
+    for prompt in prompts:  # interleaved, as in main(): a machine's slow phases hit every method alike
+        for name, lam in runs:
+            key = name if lam is None else f"{name}@{lam:g}"
+            progress = _Progress(args.max_new_tokens, f"{key} [{prompt.label}]", leave=False)
+            try:
+                if name == "generate":
+                    rec = [run_baseline(target, prompt, args, eos, pad, args.max_new_tokens, progress)
+                           for _ in range(args.repeats)]
+                else:
+                    rec = [run_speculative(target, built[name], prompt, args, args.max_new_tokens, progress, lam)
+                           for _ in range(args.repeats)]
+            finally:
+                progress.close()
+            records[(key, prompt.label)] = fastest(rec)
+    contexts = lenience_contexts(prompts, records, have_baseline)
+    sampling = hf.SamplingParams(args.temperature, args.top_k, args.top_p)
+    baseline = Totals()
+    if have_baseline:
+        for p in prompts:
+            baseline.add(records[("generate", p.label)])
+    info = dict(bench="lenience", card=cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=_triton_version(), cuda=torch.version.cuda or "none",
+                commit=_commit(), source="measured", backend="auto", op="tree" if args.tree else "chain",
+                method=args.method, B=1, K=args.k, V=target.config.vocab_size, mode="eager",
+                note=f"{description}; {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+                     f"{args.device}; speedups on a shared machine are noisy")
+    rows = []
+    for name, lam in runs:
+        key = name if lam is None else f"{name}@{lam:g}"
+        totals = Totals()
+        for p in prompts:
+            totals.add(records[(key, p.label)])
+        s = summarize(totals, baseline if have_baseline else None, args.k)
+        loglik = [quality.mean_log_likelihood(target, p.token_ids, records[(key, p.label)].tokens) for p in prompts]
+        weights = [len(records[(key, p.label)].tokens) for p in prompts]
+        tv_measured = tv_law = float("nan")
+        if name != "generate":
+            pairs = [quality.first_token_tv(target, built[name].drafter, ctx, sampling, lam, args.tv_draws,
+                                            args.seed + 1000 * i) for i, ctx in enumerate(contexts)]
+            tv_measured = sum(m for m, _ in pairs) / len(pairs)
+            tv_law = sum(t for _, t in pairs) / len(pairs)
+        rows.append(dict(info, variant=name, time_us=round(1e6 * totals.seconds / max(totals.tokens, 1), 1),
+                         drafter=name, lenience="" if lam is None else lam, temperature=args.temperature,
+                         max_new_tokens=args.max_new_tokens, prompts=len(prompts), tokens=totals.tokens,
+                         acceptance=s["acceptance"] if name != "generate" else "",
+                         tokens_per_step=s["tokens_per_step"] if name != "generate" else 1.0,
+                         speedup=s["speedup"] if name != "generate" else 1.0,
+                         mean_loglik=sum(v * w for v, w in zip(loglik, weights)) / max(sum(weights), 1),
+                         tv_first_measured=tv_measured, tv_first_law=tv_law, tv_contexts=len(contexts),
+                         tv_draws=args.tv_draws))
+    print(f"\n=== lenience (K = {args.k}, {'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, "
+          f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens; NOT exact below l = 1)")
+    print("acceptance: accepted / proposed drafts; speedup: tokens/s over target.generate (noisy on a busy machine)\n"
+          "loglik: the target's mean log-probability (T = 1) of the generated tokens\n"
+          f"TV first: total variation of the first emitted token from the target on {len(contexts)} fixed contexts, "
+          f"measured over {args.tv_draws} seeded steps (its l = 1 value is the noise floor) | closed form")
+    print(f"{'method':<16} {'l':>5} {'acceptance':>10} {'tokens/step':>11} {'speedup':>8} {'loglik':>8} "
+          f"{'TV first':>17}")
+    for r in rows:
+        print(f"{r['drafter']:<16} {_fmt(r['lenience'] if r['lenience'] != '' else float('nan')):>5} "
+              f"{_fmt(r['acceptance'] if r['acceptance'] != '' else float('nan')):>10} "
+              f"{_fmt(r['tokens_per_step']):>11} {_fmt(r['speedup']):>8} {_fmt(r['mean_loglik'], 3):>8} "
+              f"{_fmt(r['tv_first_measured'], 3):>8} | {_fmt(r['tv_first_law'], 3):<6}")
+    if args.csv:
+        write_lenience_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
+    return rows
+
+
+LENIENCE_COLUMNS = ("bench", "experiment", "variant", "knobs", "card", "torch", "triton", "cuda", "commit", "source",
+                    "backend", "op", "method", "B", "K", "V", "nodes", "logits_dtype", "draft_probs", "mode",
+                    "time_us", "floor_us", "ratio", "bandwidth_TBps", "note", "drafter", "lenience", "temperature",
+                    "max_new_tokens", "prompts", "tokens", "acceptance", "tokens_per_step", "speedup", "mean_loglik",
+                    "tv_first_measured", "tv_first_law", "tv_contexts", "tv_draws")
+
+
+def write_lenience_csv(path: str, rows: list[dict]) -> None:
+    """The rows in the long format of benchmarks/results_csv.py (its columns first; one row per
+    method and lenience; time_us = wall time per generated token), then the lenience columns."""
+    import csv
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(LENIENCE_COLUMNS), extrasaction="raise")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = parse_args(argv)
@@ -593,6 +761,10 @@ def main(argv: list[str] | None = None) -> int:
           f"K = {args.k}, {args.method} verification, " + ("greedy" if args.temperature <= 0 else
                                f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
                                f"seed {args.seed}"), flush=True)
+
+    if args.lenience is not None:
+        run_lenience_sweep(target, built, names, prompts, args, eos, pad, description)
+        return 0
 
     # Warm-up: first calls pay for allocations, kernel selection and Triton compilation.
     warm_tokens = min(4, args.max_new_tokens)
