@@ -537,3 +537,23 @@ def test_gpu_tree_first_token_follows_the_enumerated_law():
             fits = _tree_fit(backend, "cuda", case)
             assert fits["law"] > P_MIN, (backend, case, fits)
             assert fits["exact"] < P_REJECT and fits["off"] < P_REJECT, (backend, case, fits)
+
+
+def test_vllm_adapter_passes_lenience_per_request():
+    """Our extension of the vLLM adapter: ``lenience=`` reaches the op (module and function form)."""
+    from specdec_kernels.integrations import vllm as sv
+    from test_vllm_adapter import expected_seeds, sampling_metadata, seeded_generators, spec_metadata, vllm_batch
+    args, counts = vllm_batch(16, 4, 40, draft_probs=True, seed=7)
+    logits, drafts, cu, probs, temperature, _, _, max_spec_len = args
+    lam = torch.full((16,), 0.1)
+    lam[::4] = 1.0
+    md = spec_metadata(counts, drafts)
+    sm = sampling_metadata(temperature, generators=seeded_generators(temperature, 100))
+    out = sv.RejectionSampler(validate=True)(md, probs, logits, sm, lenience=lam)
+    expected, _ = specdec_kernels.rejection_sample(logits, drafts, cu, probs, temperature,
+                                                   expected_seeds(temperature, 100), None, max_spec_len, lenience=lam)
+    exact, _ = specdec_kernels.rejection_sample(logits, drafts, cu, probs, temperature,
+                                                expected_seeds(temperature, 100), None, max_spec_len)
+    assert torch.equal(out, expected) and not torch.equal(out, exact)
+    with pytest.raises(ValueError, match="lenience"):
+        sv.RejectionSampler()(md, probs, logits, sampling_metadata(temperature), lenience=torch.ones(3))

@@ -196,6 +196,7 @@ def rejection_sample(
     sampling_metadata: Any,
     *,
     validate: bool | None = None,
+    lenience: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """vLLM's ``rejection_sample`` with the bonus tokens already sampled (one op launch).
 
@@ -227,6 +228,9 @@ def rejection_sample(
         use no randomness here (as in vLLM).
     validate : bool or None
         Passed to ``specdec_kernels.rejection_sample`` (value checks; synchronizes).
+    lenience : Tensor [B] or None
+        Our extension (vLLM has no such field): per-request lenience in (0, 1], opt-in and NOT
+        exact (docs/ALGORITHM.md §8, docs/INTEGRATION.md). None = exact for every request.
 
     Returns
     -------
@@ -265,7 +269,7 @@ def rejection_sample(
                               skip=[b for b, n in enumerate(num_draft_tokens) if n == 0])
     output_token_ids, _ = _specdec_rejection_sample(
         logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
-        **request_filters(sampling_metadata, batch, device), validate=validate)
+        **request_filters(sampling_metadata, batch, device), validate=validate, lenience=lenience)
     return output_token_ids
 
 
@@ -288,7 +292,7 @@ class RejectionSampler(nn.Module):
         self.validate = validate
 
     def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                sampling_metadata: Any) -> torch.Tensor:
+                sampling_metadata: Any, *, lenience: torch.Tensor | None = None) -> torch.Tensor:
         """Verify every request's drafts and sample its final token.
 
         Parameters
@@ -304,6 +308,9 @@ class RejectionSampler(nn.Module):
             this layout, which is the op's). Raw logits; not modified.
         sampling_metadata : vLLM ``SamplingMetadata``
             Seeded requests advance their generator by one draw per call.
+        lenience : Tensor [B] or None
+            Our extension, not a vLLM argument: per-request lenience in (0, 1], opt-in and NOT
+            exact (docs/ALGORITHM.md §8). None = exact.
 
         Returns
         -------
@@ -338,7 +345,7 @@ class RejectionSampler(nn.Module):
             seeds = request_seeds(getattr(sampling_metadata, "generators", None), batch, device)
         output_token_ids, _ = _specdec_rejection_sample(
             target_logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
-            **request_filters(sampling_metadata, batch, device), validate=self.validate)
+            **request_filters(sampling_metadata, batch, device), validate=self.validate, lenience=lenience)
         return output_token_ids
 
     @staticmethod
