@@ -439,13 +439,14 @@ def _rejection_sample_kernel(
             x_star = _pick(drafts, rows, t_star)
             work_row = t_star
             scale = tl.full([], 1.0, tl.float32)
-            if HAS_LENIENCE:
-                # The lenient residual max(0, q - l p) = l max(0, q / l - p): the same law, with l
-                # folded into q's scale (the sampler is scale-free).
-                scale = 1.0 / lam
             does_work = (not greedy) & (t_star < n) & (x_star >= 0) & (x_star < vocab_size)
         m_w = _pick(row_max, rows, work_row)
         s_w = _pick(row_sum, rows, work_row)
+        if HAS_LENIENCE:
+            # The lenient residual max(0, q - l p) = l max(0, q / l - p): the same law, with l
+            # folded into q's normalizer (the race and the inverse CDF are scale-free), so the
+            # residual loop is the exact call's (token method only: block rejects lenience).
+            s_w = s_w * lam
         thr_w = _pick(thr, rows, work_row)
         row = cu_lo + b + work_row
         row_ok = (row >= 0) & (row < num_rows)
