@@ -660,12 +660,11 @@ def run_lenience_sweep(target, built: dict, names: list[str], prompts: list[Prom
         s = summarize(totals, baseline if have_baseline else None, args.k)
         loglik = [quality.mean_log_likelihood(target, p.token_ids, records[(key, p.label)].tokens) for p in prompts]
         weights = [len(records[(key, p.label)].tokens) for p in prompts]
-        tv_measured = tv_law = float("nan")
+        tv_measured = tv_law = accept_law = float("nan")
         if name != "generate":
-            pairs = [quality.first_token_tv(target, built[name].drafter, ctx, sampling, lam, args.tv_draws,
-                                            args.seed + 1000 * i) for i, ctx in enumerate(contexts)]
-            tv_measured = sum(m for m, _ in pairs) / len(pairs)
-            tv_law = sum(t for _, t in pairs) / len(pairs)
+            fits = [quality.first_token_tv(target, built[name].drafter, ctx, sampling, lam, args.tv_draws,
+                                           args.seed + 1000 * i) for i, ctx in enumerate(contexts)]
+            tv_measured, tv_law, accept_law = (sum(f[j] for f in fits) / len(fits) for j in range(3))
         rows.append(dict(info, variant=name, time_us=round(1e6 * totals.seconds / max(totals.tokens, 1), 1),
                          drafter=name, lenience="" if lam is None else lam, temperature=args.temperature,
                          max_new_tokens=args.max_new_tokens, prompts=len(prompts), tokens=totals.tokens,
@@ -673,21 +672,25 @@ def run_lenience_sweep(target, built: dict, names: list[str], prompts: list[Prom
                          tokens_per_step=s["tokens_per_step"] if name != "generate" else 1.0,
                          speedup=s["speedup"] if name != "generate" else 1.0,
                          mean_loglik=sum(v * w for v, w in zip(loglik, weights)) / max(sum(weights), 1),
-                         tv_first_measured=tv_measured, tv_first_law=tv_law, tv_contexts=len(contexts),
+                         tv_first_measured=tv_measured, tv_first_law=tv_law, accept_first_law=accept_law,
+                         tv_contexts=len(contexts),
                          tv_draws=args.tv_draws))
     print(f"\n=== lenience (K = {args.k}, {'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, "
           f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens; NOT exact below l = 1)")
     print("acceptance: accepted / proposed drafts; speedup: tokens/s over target.generate (noisy on a busy machine)\n"
           "loglik: the target's mean log-probability (T = 1) of the generated tokens\n"
           f"TV first: total variation of the first emitted token from the target on {len(contexts)} fixed contexts, "
-          f"measured over {args.tv_draws} seeded steps (its l = 1 value is the noise floor) | closed form")
+          f"measured over {args.tv_draws} seeded steps (its l = 1 value is the noise floor) | closed form\n"
+          "P(accept 1st): the probability that the first draft is accepted on those contexts, closed form "
+          "(sum min(p, q / l); 0 where the drafter proposes nothing)")
     print(f"{'method':<16} {'l':>5} {'acceptance':>10} {'tokens/step':>11} {'speedup':>8} {'loglik':>8} "
-          f"{'TV first':>17}")
+          f"{'TV first':>17} {'P(accept 1st)':>13}")
     for r in rows:
         print(f"{r['drafter']:<16} {_fmt(r['lenience'] if r['lenience'] != '' else float('nan')):>5} "
               f"{_fmt(r['acceptance'] if r['acceptance'] != '' else float('nan')):>10} "
               f"{_fmt(r['tokens_per_step']):>11} {_fmt(r['speedup']):>8} {_fmt(r['mean_loglik'], 3):>8} "
-              f"{_fmt(r['tv_first_measured'], 3):>8} | {_fmt(r['tv_first_law'], 3):<6}")
+              f"{_fmt(r['tv_first_measured'], 3):>8} | {_fmt(r['tv_first_law'], 3):<6} "
+              f"{_fmt(r['accept_first_law'], 3):>13}")
     if args.csv:
         write_lenience_csv(args.csv, rows)
         print(f"wrote {args.csv}")
@@ -698,7 +701,7 @@ LENIENCE_COLUMNS = ("bench", "experiment", "variant", "knobs", "card", "torch", 
                     "backend", "op", "method", "B", "K", "V", "nodes", "logits_dtype", "draft_probs", "mode",
                     "time_us", "floor_us", "ratio", "bandwidth_TBps", "note", "drafter", "lenience", "temperature",
                     "max_new_tokens", "prompts", "tokens", "acceptance", "tokens_per_step", "speedup", "mean_loglik",
-                    "tv_first_measured", "tv_first_law", "tv_contexts", "tv_draws")
+                    "tv_first_measured", "tv_first_law", "accept_first_law", "tv_contexts", "tv_draws")
 
 
 def write_lenience_csv(path: str, rows: list[dict]) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..chain import rejection_sample
-from ..reference.lenience import first_token_law, greedy_first_token_law
+from ..reference.lenience import first_token_law, greedy_first_token_law, greedy_passes
 from .speculative import Drafter, SamplingParams, standardized_probs
 
 #: Requests per op call when measuring the first-token law (the CPU reference holds
@@ -40,9 +40,11 @@ def mean_log_likelihood(target, prompt_ids: Sequence[int], generated: Sequence[i
 
 @torch.no_grad()
 def first_token_tv(target, drafter: Drafter, context: Sequence[int], sampling: SamplingParams, lenience: float,
-                   draws: int, seed: int, request: int = 10**6) -> tuple[float, float]:
+                   draws: int, seed: int, request: int = 10**6) -> tuple[float, float, float]:
     """(measured, law) total-variation distance of a lenient step's first token from the target
-    at ``context``, with one draft from ``drafter`` (its own distribution and sampling).
+    at ``context``, with one draft from ``drafter`` (its own distribution and sampling), and the
+    probability that this first draft is accepted (closed form: sum_x min(p(x), q(x)/l); 0 when
+    the drafter proposes nothing there).
 
     The drafter proposes once (request id ``request``, released after); its draft distribution
     p (or, for a deterministic drafter, its token) and the target's row at the context give the
@@ -61,19 +63,23 @@ def first_token_tv(target, drafter: Drafter, context: Sequence[int], sampling: S
     else:
         q = standardized_probs(logits[None], sampling)[0].double()
     probs = getattr(proposal, "probs", None)
+    accept = 0.0
     if proposal.tokens.numel() == 0:
         p = None
         law = q
-    elif probs is not None:
-        p = probs[0].to(device=device, dtype=torch.float32)
-        law = (greedy_first_token_law(p, logits, lenience) if sampling.greedy
-               else first_token_law(p.double(), q, lenience))
     else:
-        x = int(proposal.tokens[0])
-        p = None
-        point = torch.nn.functional.one_hot(torch.tensor(x), vocab).double().to(device)
-        law = (greedy_first_token_law(point, logits, lenience) if sampling.greedy
-               else first_token_law(point, q, lenience))
+        if probs is not None:
+            p = probs[0].to(device=device, dtype=torch.float32)
+            draft_law = p.double()
+        else:
+            p = None
+            draft_law = torch.nn.functional.one_hot(proposal.tokens[0].cpu(), vocab).double().to(device)
+        if sampling.greedy:
+            law = greedy_first_token_law(draft_law, logits, lenience)
+            accept = float(torch.where(greedy_passes(logits, lenience), draft_law, 0.0).sum())
+        else:
+            law = first_token_law(draft_law, q, lenience)
+            accept = float(torch.minimum(draft_law, q / float(lenience)).sum())
     counts = torch.zeros(vocab, dtype=torch.float64, device=device)
     temperature = max(sampling.temperature, 0.0)
     filters = {}
@@ -102,4 +108,4 @@ def first_token_tv(target, drafter: Drafter, context: Sequence[int], sampling: S
             **{k: v.expand(m).contiguous() for k, v in filters.items()})
         counts += torch.bincount(out[:, 0].long(), minlength=vocab).double()
     measured = 0.5 * float((counts / counts.sum() - q).abs().sum())
-    return measured, 0.5 * float((law - q).abs().sum())
+    return measured, 0.5 * float((law - q).abs().sum()), accept
