@@ -557,3 +557,14 @@ def test_vllm_adapter_passes_lenience_per_request():
     assert torch.equal(out, expected) and not torch.equal(out, exact)
     with pytest.raises(ValueError, match="lenience"):
         sv.RejectionSampler()(md, probs, logits, sampling_metadata(temperature), lenience=torch.ones(3))
+
+
+def test_cli_lenience_arguments():
+    """--lenience takes values in (0, 1], not with --method block; --csv needs --lenience."""
+    from specdec_kernels.hf import cli
+    args = cli.parse_args(["--sample", "--lenience", "1", "0.7", "0.5", "0.3", "--csv", "x.csv"])
+    assert args.lenience == [1.0, 0.7, 0.5, 0.3] and args.csv == "x.csv"
+    for bad in (["--lenience", "0"], ["--lenience", "1.5"], ["--lenience", "0.5", "--method", "block"],
+                ["--csv", "x.csv"], ["--lenience", "0.5", "--tv-draws", "0"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
