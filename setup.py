@@ -1,4 +1,4 @@
-"""Build specdec_kernels: the op schemas (C++) always, the fused CUDA kernel when it can.
+"""Build specdec_kernels: the op schemas and the CPU kernels (C++) always, the fused CUDA kernel when it can.
 
 The CUDA extension is built whenever torch is a CUDA build and the CUDA toolkit is found
 (CUDA_HOME, CUDA_PATH or /usr/local/cuda) -- never because a GPU is visible, so a CPU-only
@@ -35,11 +35,20 @@ def cuda_arch_flags():
     return flags
 
 
+# The CPU kernels (csrc/cpu/*.cpp: the CPU dispatch of the ops), compiled into every build.
+CPU_SOURCES = sorted(f for f in os.listdir(os.path.join(HERE, "csrc", "cpu")) if f.endswith(".cpp"))
+
+
 def extensions():
-    sources = ["csrc/ops.cpp"]
-    cxx = ["-O3"]  # torch adds the -std it was built with
+    sources = ["csrc/ops.cpp"] + [f"csrc/cpu/{f}" for f in CPU_SOURCES]
+    # torch adds the -std it was built with; psabi: csrc/cpu/vec.h's inline vector helpers. OpenMP:
+    # at::parallel_for is inline (ATen/ParallelOpenMP.h), so without -fopenmp the CPU kernels would
+    # run every request on one thread.
+    openmp = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
+    cxx = ["-O3", "-Wno-psabi", *openmp]
     if not BUILD_CUDA:
-        return [CppExtension("specdec_kernels._C", sources, extra_compile_args={"cxx": cxx})]
+        return [CppExtension("specdec_kernels._C", sources, include_dirs=[os.path.join(HERE, "csrc")],
+                             extra_compile_args={"cxx": cxx}, extra_link_args=openmp)]
     # SPECDEC_NVCC_FLAGS: extra nvcc flags for experiments (e.g. the -D tuning macros of csrc/kernels).
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", *cuda_arch_flags(), *os.environ.get("SPECDEC_NVCC_FLAGS", "").split()]
     return [
@@ -48,6 +57,7 @@ def extensions():
             sources + [f"csrc/bindings/{f}" for f in CUDA_SOURCES],
             include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={"cxx": cxx + ["-DSPECDEC_WITH_CUDA"], "nvcc": nvcc},
+            extra_link_args=openmp,
         )
     ]
 

@@ -1,8 +1,9 @@
 // Every specdec op schema, defined once, here, for every backend and every build.
 //
 // Kernels register themselves elsewhere, per dispatch key:
-// - CPU (the reference), Meta/fake, and the Triton kernels on CUDA: from Python
-//   (specdec_kernels/ops.py);
+// - CPU: the fused C++ kernels of the public ops (csrc/cpu/, every build); the private twins'
+//   CPU kernel (the reference), Meta/fake, and the Triton kernels on CUDA: from Python
+//   (specdec_kernels/_ops.py);
 // - the fused CUDA kernels, when the extension is built with CUDA: the torch bindings in
 //   csrc/bindings/ (chain_cuda.cu, tree_cuda.cu), with TORCH_LIBRARY_IMPL blocks only.
 // A schema whose kernel exists only in some builds (the CUDA bindings' private ops, the profiling
@@ -24,7 +25,7 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(specdec, m) {
   // ---------------------------------------------------------------------------- public ops
 
-  // Chain verification. CPU: the reference; CUDA: the fused CUDA kernel
+  // Chain verification. CPU: the fused C++ kernel (cpu/chain_cpu.cpp); CUDA: the fused CUDA kernel
   // (bindings/chain_cuda.cu) when built, else the Triton kernel (specdec_kernels/ops.py).
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
@@ -57,9 +58,10 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
       "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
-  // The same schemas for the CUDA C++ kernels with sampling filters, backend "cuda": the
-  // threshold pass (Triton, specdec_kernels/triton_filters.py), then the _cuda_filtered op below.
-  // Kernels and fakes: specdec_kernels/ops.py; callers: chain.py, tree.py.
+  // The same schemas for the CUDA C++ kernels with sampling filters: the threshold pass
+  // (_row_thresholds_cuda), then the _cuda_filtered op below. CUDA kernels: bindings/filters_cuda.cu;
+  // CPU kernels (the reference) and fakes: specdec_kernels/_ops.py; callers: the public ops' CUDA
+  // kernels when given filters (bindings/chain_cuda.cu, tree_cuda.cu).
   m.def(
       "_rejection_sample_cuda_filters(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
@@ -84,6 +86,14 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
       "int max_depth, Tensor? row_thresholds, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
+
+  // The sampling filters' threshold pass of the CUDA kernels (sm_90+): per slot (chain: request b's row
+  // t at b * max_rows + t; tree: each node row) the threshold logit, -inf where nothing is
+  // filtered. CUDA kernel: bindings/filters_cuda.cu, which also implements the _cuda_filters ops
+  // above with it; callers: those ops, python_tests/test_filters.py.
+  m.def(
+      "_row_thresholds_cuda(Tensor target_logits, Tensor cu, Tensor? temperature, Tensor? top_k, Tensor? top_p, "
+      "Tensor? min_p, bool tree, int max_rows) -> Tensor");
 
   // The CUDA kernels' host plans for given sizes, computed without a GPU (tensor-free, so their
   // kernels are registered for CompositeImplicitAutograd: bindings/chain_cuda.cu, tree_cuda.cu;

@@ -7,7 +7,7 @@ from utils import HAS_CUDA, TRITON_ON_CPU, gpu_backends, random_batch
 
 OP = torch.ops.specdec.rejection_sample.default
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-BACKENDS = [("reference", "cpu")] + (
+BACKENDS = [("reference", "cpu"), ("cpu", "cpu")] + (
     [(b, "cuda") for b in gpu_backends()] if HAS_CUDA else [("triton", "cpu")] if TRITON_ON_CPU else [])
 
 
@@ -86,7 +86,8 @@ def test_non_contiguous_inputs(backend, device):
 
 def test_available_backends_reports_every_backend():
     status = specdec_kernels.available_backends()
-    assert set(status) == {"reference", "triton", "cuda"}
+    assert set(status) == {"reference", "cpu", "triton", "cuda"}
+    assert status["cpu"] == "available"  # every build compiles the CPU kernel
     if not HAS_CUDA:
         with pytest.raises((ValueError, RuntimeError), match="cuda"):
             specdec_kernels.rejection_sample(*random_batch(2, 1, 5, draft_probs=False, seed=0), backend="cuda")

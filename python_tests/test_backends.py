@@ -200,9 +200,9 @@ def test_gpu_uniform_batches_match_reference(backend, vocab, dtype, draft_probs,
     assert rate >= 0.99, f"{backend}: {rate:.4%} of {total} requests agree"
 
 
-# The fused backends on their devices: the GPU's, or Triton under the interpreter in CI.
-FUSED_ON_DEVICES = ([(b, "cuda") for b in gpu_backends()] if HAS_CUDA
-                    else [("triton", "cpu")] if TRITON_ON_CPU and "triton" in gpu_backends() else [])
+# The fused backends on their devices: the C++ CPU kernel, and the GPU's or Triton under the interpreter in CI.
+FUSED_ON_DEVICES = [("cpu", "cpu")] + ([(b, "cuda") for b in gpu_backends()] if HAS_CUDA
+                                       else [("triton", "cpu")] if TRITON_ON_CPU and "triton" in gpu_backends() else [])
 
 
 @pytest.mark.parametrize("backend,device", FUSED_ON_DEVICES)

@@ -2,8 +2,8 @@
 
 Fixed seeds make every test deterministic; sample sizes make them sensitive (see the
 negative controls at the end, which must fail the same fits by a wide margin).
-On the CPU (CI) the statistical suite runs on the reference; with a GPU it also runs on
-every GPU backend. Backend agreement with the reference is tested in test_backends.py.
+On the CPU (CI) the statistical suite runs on the reference and the C++ CPU kernel; with a GPU
+it also runs on every GPU backend. Backend agreement with the reference is tested in test_backends.py.
 """
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ VOCAB = 6
 SAMPLES = 20000
 P_MIN = 1e-4  # a correct sampler fails this with probability 1e-4 per fixed seed
 
-BACKENDS = [("reference", "cpu")] + [(b, "cuda") for b in (gpu_backends() if HAS_CUDA else [])]
+BACKENDS = [("reference", "cpu"), ("cpu", "cpu")] + [(b, "cuda") for b in (gpu_backends() if HAS_CUDA else [])]
 
 
 def _joint_counts(first, second, vocab):

@@ -31,12 +31,12 @@ SAMPLES = 20000
 INTERPRETER = TRITON_ON_CPU and not HAS_CUDA and "triton" in gpu_backends()
 # Where the statistical tests run: the reference, and every GPU backend that has the filters (the
 # CUDA C++ kernels need Triton for their threshold pass).
-DIST_BACKENDS = [("reference", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else []) + (
+DIST_BACKENDS = [("reference", "cpu"), ("cpu", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else []) + (
     [("cuda", "cuda")] if HAS_CUDA and "triton" in gpu_backends() and ops.cuda_kernel_built()
     and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE) else [])
 # Agreement with the reference: the Triton kernel, on the GPU or in the interpreter.
-FUSED = ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
-         [("triton", "cpu")] if INTERPRETER else [])
+FUSED = [("cpu", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
+                             [("triton", "cpu")] if INTERPRETER else [])
 interpreter_only = pytest.mark.skipif(not INTERPRETER, reason="interpreter test: CPU machines with TRITON_INTERPRET=1")
 
 
@@ -633,11 +633,10 @@ def test_gpu_triton_tree_agrees_with_reference(draft_probs, backend="triton"):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE)
-                    or "triton" not in gpu_backends(),
-                    reason="needs the CUDA tree kernel and Triton (its threshold pass) on a GPU")
+                    or not ops.cuda_filters_supported(0), reason="needs the CUDA tree kernel on an sm_90+ GPU")
 @pytest.mark.parametrize("draft_probs", [False, True])
 def test_gpu_cuda_tree_filters_agree_with_reference(draft_probs):
-    """The CUDA tree kernel with the threshold pass's thresholds (backend="cuda")."""
+    """The CUDA tree kernel after its own threshold pass (backend="cuda")."""
     test_gpu_triton_tree_agrees_with_reference(draft_probs, backend="cuda")
 
 
@@ -727,13 +726,13 @@ def test_opcheck_and_compile_with_filters(device):
             for t in random_batch(5, 3, 37, draft_probs=True, seed=2)]
     args[7] = 3
     filters = [f.to(device) for f in random_filters(5, 37, seed=1)]
-    # The public op, and its twin that always runs Triton on CUDA (what "auto" calls when the
-    # CUDA C++ kernel, which refuses filters, owns the public op's CUDA key).
+    # The public op (on CUDA: the C++ kernel with its threshold pass, sm_90+), and its twin that
+    # always runs Triton on CUDA (what "auto" calls with filters on older GPUs).
     ops_to_check = [torch.ops.specdec._rejection_sample_triton.default]
-    if device == "cpu" or not ops.cuda_kernel_built():
+    cuda_filters = device == "cpu" or ops.cuda_kernel_built() and ops.cuda_filters_supported(0)
+    if cuda_filters or not ops.cuda_kernel_built():
         ops_to_check.append(torch.ops.specdec.rejection_sample.default)
-    if device == "cpu" or ops.cuda_kernel_built():
-        # The twin that runs the CUDA C++ kernel after the threshold pass (backend="cuda").
+    if cuda_filters:
         ops_to_check.append(torch.ops.specdec._rejection_sample_cuda_filters.default)
     for op in ops_to_check:
         torch.library.opcheck(op, (*args, "token", *filters))
@@ -757,9 +756,10 @@ def test_tree_opcheck_with_filters(device):
     args = tuple(t.to(device) for t in (logits, tokens, parents, cu)) + (
         None, None, torch.arange(4, device=device), None, 3) + filters
     ops_to_check = [torch.ops.specdec._tree_rejection_sample_triton.default]
-    if device == "cpu" or not ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
+    cuda_filters = device == "cpu" or ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE) and ops.cuda_filters_supported(0)
+    if cuda_filters or not ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
         ops_to_check.append(torch.ops.specdec.tree_rejection_sample.default)
-    if device == "cpu" or ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE):
+    if cuda_filters:
         ops_to_check.append(torch.ops.specdec._tree_rejection_sample_cuda_filters.default)
     for op in ops_to_check:
         torch.library.opcheck(op, args)
@@ -774,27 +774,136 @@ def test_tree_opcheck_with_filters(device):
     assert torch.equal(out, ref[0]) and torch.equal(nodes, ref[1]) and torch.equal(num, ref[2] + 1)
 
 
+CUDA_FILTERS = HAS_CUDA and ops.cuda_kernel_built() and ops.cuda_filters_supported(0)
+NEEDS_CUDA_FILTERS = pytest.mark.skipif(not CUDA_FILTERS, reason="needs the CUDA kernels on an sm_90+ GPU")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built() or "triton" not in gpu_backends(),
-                    reason="needs the CUDA kernel and Triton (its threshold pass) on a GPU")
+@NEEDS_CUDA_FILTERS
 @pytest.mark.parametrize("vocab", [128256, 151936])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("draft_probs", [False, True])
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_gpu_cuda_filters_agree_with_reference(vocab, dtype, draft_probs, method):
-    """The CUDA chain kernel with the threshold pass's thresholds (backend="cuda")."""
+    """The CUDA chain kernel after its own threshold pass (backend="cuda")."""
     test_gpu_triton_agrees_with_reference(vocab, dtype, draft_probs, method, backend="cuda")
 
 
+def _near_tie(row: torch.Tensor, temperature: float, top_p: float) -> bool:
+    """Whether a row's top-p crossing lies within float rounding of p: the cumulative mass (float64,
+    descending) of some token is within 1e-5 (relative) of p * Z. Kernels that sum in float32 or
+    fixed point may cross one token earlier or later there, as docs/ALGORITHM.md §7 says."""
+    x = torch.nan_to_num(row.double(), nan=float("-inf"), posinf=FLT_MAX)
+    w = torch.exp((x - x.max()) / temperature).sort(descending=True).values
+    cum = w.cumsum(0)
+    goal = top_p * cum[-1]
+    return bool(((cum - goal).abs() <= 1e-5 * cum[-1]).any())
+
+
+# The threshold pass's worst cases: flat rows (top-p alone at high temperature), top-p near 1 and
+# at 0, top-k near V, ties, -inf and NaN blocks, tiny and odd vocabularies.
+THRESHOLD_VOCABS = [1, 7, 700, 8193, 32000, 128256, 151936]
+THRESHOLD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _threshold_case(vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    n = torch.tensor([2, 0, 1, 2, 2, 1, 3, 1])
+    B = len(n)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32)
+    rows = int(n.sum()) + B
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[0:3] = logits[0:3].round(decimals=0)  # heavy ties
+    logits[3, : vocab // 2] = float("-inf")
+    logits[4, ::5] = float("nan")
+    temperature = torch.tensor([0.8, 0.7, 0.0, 1.3, 2.0, 1.0, 0.8, 0.5])
+    top_k = torch.tensor([0, 50, 3, 0, max(vocab - 1, 0), vocab - 100 if vocab > 200 else 2, 0, 1], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.9999, 0.95, 0.0, 0.9, 0.3])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 1.0])
+    return logits, cu, n, temperature, top_k, top_p, min_p
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built() or "triton" not in gpu_backends(),
-                    reason="needs the CUDA kernel and Triton (its threshold pass) on a GPU")
-@pytest.mark.parametrize("draft_probs", [False, True])
-def test_gpu_cuda_filters_streamed_agree_with_reference(draft_probs):
-    """With FilterConfig(kept_set=False) the pass writes no kept-set record: the CUDA kernel
-    streams every filtered row (the path rows the search's buffer did not hold take)."""
-    with _use_filter_config(kept_set=False):
-        test_gpu_triton_agrees_with_reference(128256, torch.bfloat16, draft_probs, "token", backend="cuda")
+@NEEDS_CUDA_FILTERS
+@pytest.mark.parametrize("vocab", THRESHOLD_VOCABS)
+@pytest.mark.parametrize("dtype", THRESHOLD_DTYPES)
+def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype):
+    """_row_thresholds_cuda on a ragged chain batch (and the same rows as tree nodes): every
+    filtered row keeps exactly the sort-based set (filter_keep_mask, float64), except a top-p
+    crossing within float rounding of p; -inf for greedy requests, unfiltered ones and padding."""
+    logits, cu, n, temperature, top_k, top_p, min_p = _threshold_case(vocab, seed=vocab)
+    logits = logits.to(dtype)
+    B, L = len(n), 4
+    # A row stride that is not the vocabulary (and, for odd V, rows not 16-byte aligned).
+    wide = torch.full((logits.shape[0], vocab + 3), float("nan"), dtype=dtype)
+    wide[:, :vocab] = logits
+    dev = [t.cuda() for t in (cu, temperature, top_k, top_p, min_p)]
+    thr = torch.ops.specdec._row_thresholds_cuda(wide.cuda()[:, :vocab], dev[0], *dev[1:], False, L).cpu()
+    # The same rows as tree nodes: request b's nodes are its chain rows.
+    cu_nodes = (cu + torch.arange(B + 1, dtype=torch.int32)).cuda()
+    tree_thr = torch.ops.specdec._row_thresholds_cuda(logits.cuda(), cu_nodes, *dev[1:], True, 1).cpu()
+    ties = 0
+    for b in range(B):
+        for t in range(L):
+            slot = b * L + t
+            filtered = temperature[b] > 0 and (0 < top_k[b] < vocab or top_p[b] < 1 or min_p[b] > 0)
+            if t > n[b] or not filtered:
+                assert thr[slot] == float("-inf"), (b, t)
+                continue
+            row = int(cu[b]) + b + t
+            assert tree_thr[row] == thr[slot]
+            x = logits[row].float()
+            if not (x > float("-inf")).any():  # no valid logit: nothing to keep
+                continue
+            keep = filter_keep_mask(torch.nan_to_num(x, nan=float("-inf"), posinf=FLT_MAX).double(),
+                                    1 / temperature[b].double(), top_k[b], top_p[b].double(), min_p[b].double())
+            got = torch.nan_to_num(x, nan=float("-inf")) >= thr[slot]
+            if not torch.equal(got, keep):
+                assert top_p[b] < 1 and _near_tie(x, float(temperature[b]), float(top_p[b])), (b, t, vocab)
+                ties += 1
+    assert ties <= 1
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_FILTERS
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab):
+    """Top-p alone on flat rows (random logits, temperature 0.8 .. 4, p from 0.05 to 0.9999): the
+    case a counting search needs the most passes for."""
+    g = torch.Generator().manual_seed(1)
+    B = 64
+    logits = torch.randn(B, vocab, generator=g) * 3
+    temperature = torch.rand(B, generator=g) * 3.2 + 0.8
+    top_p = torch.tensor([0.05, 0.5, 0.9, 0.99, 0.9999, 0.999999, 0.7, 0.95] * (B // 8))
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    thr = torch.ops.specdec._row_thresholds_cuda(logits.cuda(), cu.cuda(), temperature.cuda(), None, top_p.cuda(),
+                                                 None, False, 1).cpu()
+    exact = 0
+    for b in range(B):
+        keep = filter_keep_mask(logits[b].double(), 1 / temperature[b].double(), None, top_p[b].double(), None)
+        got = logits[b] >= thr[b]
+        if torch.equal(got, keep):
+            exact += 1
+            continue
+        # p within float rounding of a crossing (near 1 a token's mass is below the sums' rounding)
+        assert _near_tie(logits[b], float(temperature[b]), float(top_p[b])), \
+            (b, float(top_p[b]), float(temperature[b]), int(got.sum()), int(keep.sum()))
+    assert exact >= B * 3 // 4, f"only {exact} of {B} rows keep exactly the sorted set"
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_FILTERS
+def test_gpu_cuda_threshold_pass_is_deterministic():
+    """Integer sums: the same thresholds bit for bit on every run."""
+    logits = torch.randn(40, 128256, device="cuda") * 3
+    cu = torch.zeros(41, dtype=torch.int32, device="cuda")
+    temp = torch.full((40,), 0.8, device="cuda")
+    top_p = torch.linspace(0.1, 0.999, 40, device="cuda")
+    top_k = torch.tensor([0, 5000] * 20, dtype=torch.int32, device="cuda")
+    first = torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1)
+    for _ in range(5):
+        assert torch.equal(torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1),
+                           first)
 
 
 @pytest.mark.gpu
@@ -859,6 +968,13 @@ BAD_CALLS = {
     "kept_chunk_mass must be float32": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr, ks, km, tab, "
                                        "tab.double())",
     "row_thresholds must be 1-D with": "op(logits, ids, cu, None, temp, seeds, None, 0, 'token', thr[1:])",
+    # the threshold pass's checks (csrc/bindings/filters_cuda.cu)
+    "top_k must have shape": "torch.ops.specdec.rejection_sample(logits, ids, cu, None, temp, seeds, None, 0, 'token', "
+                             "torch.ones(b + 1, dtype=torch.int32, device='cuda'))",
+    "top_k must have dtype": "torch.ops.specdec.rejection_sample(logits, ids, cu, None, temp, seeds, None, 0, 'token', "
+                             "torch.ones(b, device='cuda'))",
+    "top_p must be a floating": "torch.ops.specdec.rejection_sample(logits, ids, cu, None, temp, seeds, None, 0, "
+                                "'token', None, torch.ones(b, dtype=torch.int32, device='cuda'))",
     # the public op's own checks (csrc/bindings/common.h), for comparison
     "draft_probs must have shape": "torch.ops.specdec.rejection_sample(logits, ids, cu, "
                                    "torch.rand(3, V, device='cuda'), temp, seeds, None, 0)",
@@ -870,6 +986,8 @@ BAD_CALLS = {
 @pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built(), reason="needs the CUDA kernel on a GPU")
 @pytest.mark.parametrize("expected", list(BAD_CALLS))
 def test_gpu_cuda_ops_reject_bad_arguments_by_name(expected):
+    if expected.startswith(("top_k", "top_p")) and not CUDA_FILTERS:
+        pytest.skip("the CUDA threshold pass needs sm_90")
     import os
     import subprocess
     import sys
@@ -883,21 +1001,19 @@ def test_gpu_cuda_ops_reject_bad_arguments_by_name(expected):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA or not ops.cuda_kernel_built(), reason="needs the CUDA kernel on a GPU")
-def test_cuda_kernel_op_refuses_filters_and_auto_uses_triton():
-    """The op itself cannot run the threshold pass (C++): it refuses the filters; the Python API
-    runs them on the CUDA kernel for backend="cuda" and on Triton for "auto"."""
+@NEEDS_CUDA_FILTERS
+def test_cuda_kernel_op_runs_filters_and_auto_uses_it():
+    """The public op's CUDA kernel runs the threshold pass itself (engines calling torch.ops get
+    the filters), and "auto" is that kernel."""
     args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in random_batch(8, 3, 1000, draft_probs=True, seed=0)]
     filters = [f.cuda() for f in random_filters(8, 1000, seed=0)]
-    with pytest.raises(RuntimeError, match="top_k / top_p / min_p need the threshold pass"):
-        torch.ops.specdec.rejection_sample(*args, "token", *filters)
-    cuda_out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="cuda")
+    op_out = torch.ops.specdec.rejection_sample(*args, "token", *filters)
     ref = specdec_kernels.rejection_sample(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in args], "token",
                                            *[f.cpu() for f in filters], backend="reference")
-    assert (cuda_out[0].cpu() == ref[0]).all(1).float().mean() >= 0.99
-    auto = specdec_kernels.rejection_sample(*args, "token", *filters)  # auto -> Triton
-    triton_out = specdec_kernels.rejection_sample(*args, "token", *filters, backend="triton")
-    assert torch.equal(auto[0], triton_out[0]) and torch.equal(auto[1], triton_out[1])
+    assert (op_out[0].cpu() == ref[0]).all(1).float().mean() >= 0.99
+    for backend in ("auto", "cuda"):
+        got = specdec_kernels.rejection_sample(*args, "token", *filters, backend=backend)
+        assert torch.equal(got[0], op_out[0]) and torch.equal(got[1], op_out[1])
     plain = specdec_kernels.rejection_sample(*args)  # no filters: the CUDA kernel as before
     assert plain[0].shape == auto[0].shape
 

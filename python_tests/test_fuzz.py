@@ -20,6 +20,8 @@ elif TRITON_ON_CPU and "triton" in gpu_backends():
     FUSED = FUSED_TREE = [("triton", "cpu")]
 else:
     FUSED = FUSED_TREE = []
+# The C++ CPU kernel (the ops' CPU dispatch), on every machine.
+FUSED, FUSED_TREE = [("cpu", "cpu")] + FUSED, [("cpu", "cpu")] + FUSED_TREE
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -123,6 +123,60 @@ def test_prompt_lookup_drafter_greedy(models):
     assert result.stats.num_draft_tokens > 0
 
 
+# Prompts with several earlier continuations of their last tokens, so that the lookup trees branch.
+LOOKUP_PROMPTS = [[1, 3, 4, 5, 3, 4, 6, 3, 4, 7, 2, 3, 4], [1, 6, 6, 6, 6], [1, 9, 8, 9, 7, 9, 8, 9]]
+
+
+@pytest.mark.parametrize("num_candidates,draft_cost", [(1, 0.1), (3, None), (3, 0.05)])
+def test_prompt_lookup_trees_and_theory_k_greedy(models, num_candidates, draft_cost):
+    target, _ = models
+    drafter = hf.PromptLookupDrafter(max_ngram=4, min_ngram=1, num_candidates=num_candidates, draft_cost=draft_cost)
+    result = hf.speculative_generate(target, drafter, LOOKUP_PROMPTS, max_new_tokens=12, num_draft_tokens=4,
+                                     eos_token_id=[])
+    for prompt, tokens in zip(LOOKUP_PROMPTS, result.tokens):
+        assert tokens == target_greedy(target, prompt, 12, None)
+    assert result.stats.num_draft_tokens > 0
+
+
+def test_prompt_lookup_sites_trie_and_theory_k():
+    drafter = hf.PromptLookupDrafter(max_ngram=3, min_ngram=1, num_candidates=3)
+    tokens = [1, 3, 4, 5, 3, 4, 6, 3, 4, 7, 2, 3, 4]
+    # Sites: "3 4" matched at 3 places (length 2: the 1 / 5 / 6 before them differ from the 2), latest
+    # first; the last "4" alone is never a shorter site of its own (same positions).
+    assert drafter.match_sites(tokens) == [(2, 9), (2, 6), (2, 3)]
+    gen = torch.Generator()
+    tree = drafter.propose(0, tokens, 2, hf.SamplingParams(), gen)
+    assert isinstance(tree, hf.DraftTokenTree)
+    assert tree.tokens.tolist() == [7, 2, 6, 3, 5, 3] and tree.parents == [0, 1, 0, 3, 0, 5]
+    # A longer match ranks first, whatever its age.
+    assert hf.PromptLookupDrafter(max_ngram=3).match_sites([5, 3, 4, 9, 3, 4, 8, 5, 3, 4])[0] == (3, 3)
+    # One candidate: a chain; shared prefixes appear once in a trie.
+    chain = hf.PromptLookupDrafter(max_ngram=3).propose(0, tokens, 4, hf.SamplingParams(), gen)
+    assert isinstance(chain, hf.DraftChain) and chain.tokens.tolist() == [7, 2, 3, 4]
+    shared = hf.PromptLookupDrafter(max_ngram=1, num_candidates=2).propose(0, [1, 2, 5, 1, 2, 6, 1], 2,
+                                                                          hf.SamplingParams(), gen)
+    assert shared.tokens.tolist() == [2, 6, 5] and shared.parents == [0, 1, 1]
+    assert hf.PromptLookupDrafter().propose(0, [1, 2, 3], 4, hf.SamplingParams(), gen).tokens.numel() == 0
+    # K by the theory: free drafts -> the most allowed; dear ones or low acceptance -> fewer.
+    assert hf.lookahead_by_theory(0.8, 0.0, 8) == 8
+    assert hf.lookahead_by_theory(0.8, 0.13, 8) == 5
+    assert hf.lookahead_by_theory(0.3, 0.13, 8) == 1
+    assert hf.lookahead_by_theory(1.0, 0.5, 3) == 3
+    with pytest.raises(ValueError, match="draft_cost"):
+        hf.lookahead_by_theory(0.5, -1.0, 3)
+    with pytest.raises(ValueError, match="num_candidates"):
+        hf.PromptLookupDrafter(num_candidates=0)
+    # The acceptance estimate that picks K: the prior, then the request's own record.
+    theory = hf.PromptLookupDrafter(max_ngram=3, draft_cost=0.13, prior_acceptance=0.5)
+    assert theory.acceptance(0, 2) == pytest.approx(0.5)
+    proposal = theory.propose(0, tokens, 8, hf.SamplingParams(), gen)
+    assert proposal.tokens.tolist() == [7, 2] and hf.lookahead_by_theory(0.5, 0.13, 8) == 2
+    theory.commit(0, tokens + [7, 9], 1)  # one accepted, the second rejected: 2 tested
+    assert theory.acceptance(0, 2) == pytest.approx((1 + 1) / (2 + 2))
+    theory.commit(0, tokens + [7, 9, 5], 0)  # nothing was proposed since: no change
+    assert theory.acceptance(0, 2) == pytest.approx(0.5)
+
+
 def exact_first_two(target, prompt, temperature, top_k=0, top_p=1.0) -> np.ndarray:
     """[V, V]: P(first = a, second = b) when the target samples at temperature -> top-k -> top-p."""
     with torch.no_grad():

@@ -405,6 +405,23 @@ def test_triton_interpreter_matches_reference_tree(draft_probs):
     assert int(ref[2].sum()) > int(exact[2].sum()), "lenience changed nothing: the case does not test it"
 
 
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_cpu_kernel_matches_reference(draft_probs):
+    """The fused C++ CPU kernel (backend "cpu", issue #37) implements the same lenience spec:
+    token for token the reference's on mixed lenient / exact / greedy / filtered rows."""
+    args = _chain_case(draft_probs, seed=15)
+    batch = args[2].shape[0] - 1
+    kw = dict(lenience=torch.tensor(LENIENCE_MIX[:batch]), top_k=torch.tensor([0, 5, 0, 3, 0, 0, 2, 0][:batch]))
+    ref = specdec_kernels.rejection_sample(*args, backend="reference", **kw)
+    cpu = specdec_kernels.rejection_sample(*args, backend="cpu", **kw)
+    assert torch.equal(ref[0], cpu[0]) and torch.equal(ref[1], cpu[1])
+    tree = _tree_case(draft_probs, seed=16)
+    lam = torch.tensor(LENIENCE_MIX[:tree[3].shape[0] - 1])
+    ref = specdec_kernels.tree_rejection_sample(*tree, lenience=lam, backend="reference")
+    cpu = specdec_kernels.tree_rejection_sample(*tree, lenience=lam, backend="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(ref, cpu))
+
+
 # ----------------------------------------------------------------------------- errors and surface
 
 

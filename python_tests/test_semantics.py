@@ -5,7 +5,7 @@ import torch
 
 from utils import HAS_CUDA, TRITON_ON_CPU, check_invariants, gpu_backends, random_batch, sampler
 
-BACKENDS = [("reference", "cpu")]
+BACKENDS = [("reference", "cpu"), ("cpu", "cpu")]
 if HAS_CUDA:
     BACKENDS += [(b, "cuda") for b in gpu_backends()]
 elif TRITON_ON_CPU and "triton" in gpu_backends():

@@ -18,7 +18,7 @@ SHAPES = {
     "ternary_root": [-1, 0, 0, 0, 1, 2, 4],
 }
 TREE_GPU_BACKENDS = gpu_backends(ops.TREE_REJECTION_SAMPLE)  # "cuda" where the CUDA tree kernel was built
-DIST_BACKENDS = [("reference", "cpu")] + ([(b, "cuda") for b in TREE_GPU_BACKENDS] if HAS_CUDA else [])
+DIST_BACKENDS = [("reference", "cpu"), ("cpu", "cpu")] + ([(b, "cuda") for b in TREE_GPU_BACKENDS] if HAS_CUDA else [])
 BACKENDS = DIST_BACKENDS + ([("triton", "cpu")] if (TRITON_ON_CPU and not HAS_CUDA and "triton" in TREE_GPU_BACKENDS)
                             else [])
 

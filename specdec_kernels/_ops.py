@@ -2,15 +2,19 @@
 
 Registrations only: the schemas are defined once, in C++ (csrc/ops.cpp). Registered here, for
 each op:
-- CPU: the reference (specdec_kernels.reference) in float64;
+- CPU: nothing for ``rejection_sample`` and ``tree_rejection_sample``, whose CPU key the fused C++
+  kernels of specdec_kernels._C own (csrc/cpu/); the reference (specdec_kernels.reference, float64)
+  for the private twins below;
 - Meta/fake: output shapes only, for torch.compile and FakeTensor tracing;
 - CUDA: the fused Triton kernel, unless the C++ extension has a fused CUDA kernel for the op
   (which then owns the CUDA key; today rejection_sample). If neither is available, calling
-  the op on CUDA tensors raises an error that says so. The CUDA C++ kernel rejects the
-  sampling filters (top_k / top_p / min_p): the Python API's backend "auto" sends filtered
-  calls to the Triton kernel instead.
+  the op on CUDA tensors raises an error that says so. The CUDA C++ kernels run the sampling
+  filters (top_k / top_p / min_p) with their own threshold pass on sm_90 and newer; on older
+  GPUs they refuse them, and the Python API's backend "auto" sends filtered calls to Triton.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -32,7 +36,6 @@ for _name in ("rejection_sample", "tree_rejection_sample", "_rejection_sample_tr
 try:
     from .triton.chain import rejection_sample_triton
     from .triton.common import inner_contiguous
-    from .triton.filters import chain_row_thresholds, tree_row_thresholds
     from .triton.tree import tree_rejection_sample_triton
     TRITON_IMPORT_ERROR: str | None = None
 except ImportError as e:  # triton is an optional dependency
@@ -43,6 +46,11 @@ except ImportError as e:  # triton is an optional dependency
 # registers anything): the others get the Triton kernel on CUDA.
 _CUDA_BUILT = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
                for op in (REJECTION_SAMPLE, TREE_REJECTION_SAMPLE)}
+
+
+def cpu_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
+    """True when specdec_kernels._C registers the fused C++ CPU kernel of ``op`` (every build does)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
 
 
 def cuda_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
@@ -169,67 +177,45 @@ def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_no
                             seeds, offsets, max_depth, top_k, top_p, min_p, lenience)
 
 
-def _cuda_filters_unavailable(op: str):
-    if not _CUDA_BUILT[op]:
-        raise RuntimeError(f"{op} with top_k / top_p / min_p on the CUDA backend: the CUDA kernel was not built into "
-                           "specdec_kernels._C (backend='triton' has the filters)")
-    if rejection_sample_triton is None:
-        raise RuntimeError(f"{op} with top_k / top_p / min_p on the CUDA backend needs Triton for the threshold pass "
-                           f"before the kernel, and triton cannot be imported ({TRITON_IMPORT_ERROR})")
-
-
-def _rejection_sample_cuda_filters(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                   temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
-                                   top_p=None, min_p=None, lenience=None):
-    """The CUDA C++ chain kernel with sampling filters: the threshold pass (Triton), then the
-    kernel with the per-row thresholds (``_rejection_sample_cuda_filtered``)."""
-    _cuda_filters_unavailable(REJECTION_SAMPLE)
-    check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p,
-                                  lenience)
-    # Deterministic drafts leave the draft out of row t's kept-set chunk table, as the kernel's
-    # stream leaves it out of its own.
-    rows = chain_row_thresholds(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, max_spec_len,
-                                excluded_drafts=draft_token_ids.contiguous() if draft_probs is None else None)
-    return torch.ops.specdec._rejection_sample_cuda_filtered(
-        target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets, max_spec_len,
-        method, rows.thr, rows.kept_z, rows.kept_m, rows.cmax, rows.kept_w, lenience)
-
-
-def _tree_rejection_sample_cuda_filters(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                                        seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None,
-                                        lenience=None):
-    """The CUDA C++ tree kernel with sampling filters (threshold pass first, as above)."""
-    _cuda_filters_unavailable(TREE_REJECTION_SAMPLE)
-    check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p, lenience)
-    thr = tree_row_thresholds(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p).thr
-    return torch.ops.specdec._tree_rejection_sample_cuda_filtered(
-        target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth, thr,
-        lenience)
-
-
 # Private twins of the two ops (schemas in csrc/ops.cpp): ``_rejection_sample_triton`` /
-# ``_tree_rejection_sample_triton`` always run the Triton kernel on CUDA tensors (what the Python
-# API's backend "auto" calls for work the CUDA C++ kernel does not implement: sampling filters,
-# block verification); ``_*_cuda_filters`` run the threshold pass, then the CUDA C++ kernel. Ops
-# rather than plain Python calls, so that torch.compile(fullgraph=True) and CUDA graphs see one
-# opaque call either way; the reference on CPU tensors.
-# Each twin: (fake, CPU kernel = the reference, CUDA kernel).
+# ``_tree_rejection_sample_triton`` always run the Triton kernel on CUDA tensors (backend
+# "triton", and what "auto" calls with sampling filters on GPUs older than sm_90);
+# ``_*_cuda_filters`` are the CUDA C++ kernels' threshold pass and kernel (C++ only:
+# bindings/filters_cuda.cu). Ops rather than plain Python calls, so that torch.compile(fullgraph=True)
+# and CUDA graphs see one opaque call either way; the reference on CPU tensors.
+# Each twin: (fake, CPU kernel = the reference, CUDA kernel or None).
 for _name, (_fake, _cpu, _cuda) in {
     "_rejection_sample_triton": (_rejection_sample_fake, _rejection_sample_cpu, _rejection_sample_cuda_triton),
     "_tree_rejection_sample_triton": (_tree_rejection_sample_fake, _tree_rejection_sample_cpu,
                                       _tree_rejection_sample_cuda_triton),
-    "_rejection_sample_cuda_filters": (_rejection_sample_fake, _rejection_sample_cpu, _rejection_sample_cuda_filters),
-    "_tree_rejection_sample_cuda_filters": (_tree_rejection_sample_fake, _tree_rejection_sample_cpu,
-                                            _tree_rejection_sample_cuda_filters),
+    "_rejection_sample_cuda_filters": (_rejection_sample_fake, _rejection_sample_cpu, None),
+    "_tree_rejection_sample_cuda_filters": (_tree_rejection_sample_fake, _tree_rejection_sample_cpu, None),
 }.items():
     torch.library.register_fake(f"specdec::{_name}")(_fake)
     _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
+    if _cuda is not None:
+        _lib.impl(_name, _cuda, "CUDA")
 
-_lib.impl("rejection_sample", _rejection_sample_cpu, "CPU")
-_lib.impl("tree_rejection_sample", _tree_rejection_sample_cpu, "CPU")
+
+@torch.library.register_fake("specdec::_row_thresholds_cuda")
+def _row_thresholds_cuda_fake(target_logits, cu, temperature, top_k, top_p, min_p, tree, max_rows):
+    slots = target_logits.shape[0] if tree else (cu.shape[0] - 1) * max_rows
+    return target_logits.new_empty((slots,), dtype=torch.float32)
+
+
+@functools.cache
+def cuda_filters_supported(device_index: int) -> bool:
+    """True when the CUDA C++ kernels run sampling filters themselves on this GPU: the kernels
+    are built and their threshold pass (thread-block clusters) has sm_90 or newer."""
+    return (_CUDA_BUILT[REJECTION_SAMPLE] and _CUDA_BUILT[TREE_REJECTION_SAMPLE]
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+
+# rejection_sample and tree_rejection_sample on CPU tensors: the C++ kernels (csrc/cpu/) own the
+# key; the reference stays reachable as backend="reference" (chain.py, tree.py call it directly).
+for _op in (REJECTION_SAMPLE, TREE_REJECTION_SAMPLE):
+    if not cpu_kernel_built(_op):
+        raise ImportError(f"specdec_kernels._C registers no CPU kernel for {_op}: the compiled extension is older "
+                          "than the Python package; rebuild it (pip install --no-build-isolation -e .)")
 if not _CUDA_BUILT[REJECTION_SAMPLE]:
     _lib.impl("rejection_sample", _rejection_sample_cuda_triton, "CUDA")
 if not _CUDA_BUILT[TREE_REJECTION_SAMPLE]:

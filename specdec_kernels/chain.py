@@ -87,10 +87,12 @@ def rejection_sample(
         above ``q(x) / l``. Greedy requests also accept a draft with ``p(x) >= l * max p``
         (softmax at T = 1). 1 = exact, bit-identical to None for the same seeds; None = exact
         for every request. Not with ``method="block"`` (ValueError).
-    backend : {"auto", "cuda", "triton", "reference"} or None
+    backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
-        "auto" runs calls with any of ``top_k`` / ``top_p`` / ``min_p`` on the Triton kernel:
-        the CUDA kernel has no filters yet (it raises if given them).
+        "auto" on CPU tensors runs the fused C++ CPU kernel ("cpu", the op's CPU dispatch; it
+        has the filters); on CUDA tensors the CUDA kernel, which runs its threshold pass first
+        when given any of ``top_k`` / ``top_p`` / ``min_p`` (sm_90 and newer; on older GPUs
+        "auto" uses the Triton kernel for filtered calls).
     validate : bool or None
         Also check the values (offsets, ids, temperatures, probabilities, filter ranges);
         synchronizes. None = $SPECDEC_VALIDATE == "1".
@@ -125,11 +127,9 @@ def rejection_sample(
                                           lenience=lenience)
     if backend == "triton":
         return _ops.triton_call(*args, method, top_k, top_p, min_p, lenience)
-    if filtered and device.type == "cuda" and _ops.cuda_kernel_built():
-        if backend == "cuda":
-            # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
-            return torch.ops.specdec._rejection_sample_cuda_filters(*args, method, top_k, top_p, min_p, lenience)
-        # "auto": the Triton kernel's op (it also verifies rows from their kept set: faster).
+    if (filtered and backend == "auto" and device.type == "cuda" and _ops.cuda_kernel_built()
+            and not _ops.cuda_filters_supported(device.index)):
+        # The CUDA kernel's threshold pass needs sm_90: the Triton kernel has the filters here.
         return torch.ops.specdec._rejection_sample_triton(*args, method, top_k, top_p, min_p, lenience)
     return torch.ops.specdec.rejection_sample(*args, method, top_k, top_p, min_p, lenience)
 

@@ -67,10 +67,11 @@ def tree_rejection_sample(
         (the residual shrinks by ``l p_v`` per rejection), deterministic children iff
         ``u * l < r(c)``, greedy children also when ``p(c) >= l * max p`` (T = 1). No token is
         emitted with probability above ``q(x) / l`` at any node. 1 = exact, bit-identical to None.
-    backend : {"auto", "cuda", "triton", "reference"} or None
-        None = $SPECDEC_BACKEND or "auto" (on CUDA tensors: the CUDA C++ kernel when it was
-        built, else the Triton kernel; calls with filters run the Triton kernel, since the CUDA
-        C++ kernel does not implement them yet).
+    backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
+        None = $SPECDEC_BACKEND or "auto" (on CPU tensors: the fused C++ CPU kernel, "cpu"; on
+        CUDA tensors: the CUDA C++ kernel when it was built, else the Triton kernel; with filters
+        the CUDA kernel runs its threshold pass first on sm_90 and newer, and "auto" uses the
+        Triton kernel on older GPUs).
     validate : bool or None
         Also check the values (``tree_utils.check_tree``: offsets, root and parent links, ids,
         distinct siblings for deterministic drafts, depth <= max_depth; temperatures,
@@ -104,10 +105,8 @@ def tree_rejection_sample(
         return tree_rejection_sample_reference(*args, top_k=top_k, top_p=top_p, min_p=min_p, lenience=lenience)
     if backend == "triton":
         return _ops.tree_triton_call(*args, top_k, top_p, min_p, lenience)
-    if filtered and device.type == "cuda" and _ops.cuda_kernel_built(_ops.TREE_REJECTION_SAMPLE):
-        if backend == "cuda":
-            # The threshold pass (Triton), then the CUDA kernel masking each row below its threshold.
-            return torch.ops.specdec._tree_rejection_sample_cuda_filters(*args, top_k, top_p, min_p, lenience)
-        # "auto": the Triton kernel's op (it also verifies rows from their kept set).
+    if (filtered and backend == "auto" and device.type == "cuda" and _ops.cuda_kernel_built(_ops.TREE_REJECTION_SAMPLE)
+            and not _ops.cuda_filters_supported(device.index)):
+        # The CUDA kernel's threshold pass needs sm_90: the Triton kernel has the filters here.
         return torch.ops.specdec._tree_rejection_sample_triton(*args, top_k, top_p, min_p, lenience)
     return torch.ops.specdec.tree_rejection_sample(*args, top_k, top_p, min_p, lenience)

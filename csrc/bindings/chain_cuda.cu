@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -279,11 +280,17 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
     const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& lenience) {
-  // The filters need the threshold pass first (Triton, specdec_kernels/triton_filters.py): the
-  // Python API runs it and calls _rejection_sample_cuda_filtered.
-  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
-              ": top_k / top_p / min_p need the threshold pass before this kernel: call "
-              "specdec_kernels.rejection_sample(..., backend='cuda'), which runs it, or backend='triton'");
+  if (top_k.has_value() || top_p.has_value() || min_p.has_value()) {
+    // The threshold pass, then the kernel with the thresholds (bindings/filters_cuda.cu).
+    using Opt = const std::optional<at::Tensor>&;
+    static const auto with_filters =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("specdec::_rejection_sample_cuda_filters", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, Opt,
+                                                      Opt, Opt, Opt, int64_t, c10::string_view, Opt, Opt, Opt, Opt)>();
+    return with_filters.call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
+                             offsets, max_spec_len, method, top_k, top_p, min_p, lenience);
+  }
   return run_rejection_sample(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
                               offsets, max_spec_len, method, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
                               std::nullopt, lenience);

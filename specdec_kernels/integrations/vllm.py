@@ -17,11 +17,16 @@ Two entry points:
   target logits that the module form avoids.
 
 What is read from ``sampling_metadata``: ``temperature`` ([B], greedy requests 0 or -1 as
-in any vLLM version; None when ``all_greedy``), ``all_greedy``, ``all_random``, ``top_k``
-and ``top_p`` ([B] or None), ``generators`` ({request index: torch.Generator}) and, when
-present, ``allowed_token_ids_mask``. Penalties, bad words and logprobs are not implemented:
-``unsupported_features`` names them and both entry points raise ``NotImplementedError``
-rather than sample something else.
+in any vLLM version; None when ``all_greedy``), ``all_greedy``, ``top_k`` and ``top_p``
+([B] or None), ``generators`` ({request index: torch.Generator}); and, applied to the target
+rows before the op in vLLM's order (``vllm_logits``): presence / frequency / repetition
+penalties, ``allowed_token_ids_mask``, bad words, the non-argmax-invariant logits processors
+with a speculative-decoding hook (min_tokens) and the thinking-token budget. From vLLM's
+``SpeculativeConfig`` (``spec_config``): the verification method ("standard" or "block";
+the lossy FLy and the synthetic-acceptance mode raise). What cannot be applied (logprobs,
+other active logits processors, unknown metadata fields) is named by
+``unsupported_features`` and both entry points raise ``NotImplementedError`` rather than
+sample something else; ``vllm_logits.SAMPLING_METADATA_FIELDS`` says how each field is treated.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from torch import nn
 
 from ..chain import rejection_sample as _specdec_rejection_sample
 from ..reference.philox import draw_seeds
+from .vllm_logits import process_target_logits, unsupported, verification_method
 
 # vLLM's value for the unused slots of the output, and its dtype (int32, as vLLM's
 # SamplerOutput.sampled_token_ids); the op uses the same.
@@ -42,7 +48,7 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def unsupported_features(sampling_metadata: Any) -> list[str]:
-    """The features requested in ``sampling_metadata`` that this adapter does not implement.
+    """The features requested in ``sampling_metadata`` that this adapter cannot apply as vLLM does.
 
     Parameters
     ----------
@@ -52,17 +58,13 @@ def unsupported_features(sampling_metadata: Any) -> list[str]:
     -------
     list of str
         Empty when the adapter handles the batch exactly; otherwise one short description per
-        feature (logprobs, penalties, bad words). Engines that want to route such batches to
-        their own sampler can test this before calling.
+        feature: logprobs, an active logits processor it cannot apply (argmax-invariant ones
+        such as min-p in a batch with random requests; non-argmax-invariant ones without a
+        speculative-decoding hook), a metadata field it does not know. Engines that want to
+        route such batches to their own sampler can test this before calling; both entry
+        points raise ``NotImplementedError`` on them.
     """
-    missing = []
-    if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
-        missing.append("logprobs (sampling_metadata.max_num_logprobs is set)")
-    if not getattr(sampling_metadata, "no_penalties", True):
-        missing.append("presence/frequency/repetition penalties (sampling_metadata.no_penalties is False)")
-    if getattr(sampling_metadata, "bad_words_token_ids", None):
-        missing.append("bad words (sampling_metadata.bad_words_token_ids is set)")
-    return missing
+    return unsupported(sampling_metadata)
 
 
 def _check_supported(sampling_metadata: Any) -> None:
@@ -142,15 +144,6 @@ def request_seeds(generators: dict[int, torch.Generator] | None, batch: int, dev
     return seeds
 
 
-def _constrain_logits(logits: torch.Tensor, sampling_metadata: Any, row_to_request: torch.Tensor) -> torch.Tensor:
-    """Allowed-token masks, applied to the target logits (a copy when set)."""
-    allowed_mask = getattr(sampling_metadata, "allowed_token_ids_mask", None)
-    if allowed_mask is not None:
-        # vLLM's mask is [max batch, V], True = not allowed; it binds greedy requests too.
-        logits = logits.masked_fill(allowed_mask[row_to_request], float("-inf"))
-    return logits
-
-
 def request_filters(sampling_metadata: Any, batch: int, device: torch.device) -> dict:
     """The op's ``top_k`` / ``top_p`` arguments from vLLM's sampling metadata.
 
@@ -196,6 +189,7 @@ def rejection_sample(
     sampling_metadata: Any,
     *,
     validate: bool | None = None,
+    spec_config: Any = None,
     lenience: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """vLLM's ``rejection_sample`` with the bonus tokens already sampled (one op launch).
@@ -226,8 +220,13 @@ def rejection_sample(
         See the module docstring for the attributes read. Seeded requests (``generators``)
         advance their generator by one draw per call, except requests with no drafts, which
         use no randomness here (as in vLLM).
+        What vLLM applies to the draft rows (penalties, allowed tokens, bad words, min_tokens,
+        the thinking budget) is applied to ``target_logits``; the bonus tokens are vLLM's.
     validate : bool or None
         Passed to ``specdec_kernels.rejection_sample`` (value checks; synchronizes).
+    spec_config : vLLM ``SpeculativeConfig`` or None
+        Its ``rejection_sample_method`` picks the op's method ("standard" or "block"); FLy and
+        synthetic acceptance raise ``ValueError`` (``vllm_logits.verification_method``).
     lenience : Tensor [B] or None
         Our extension (vLLM has no such field): per-request lenience in (0, 1], opt-in and NOT
         exact (docs/ALGORITHM.md §8, docs/INTEGRATION.md). None = exact for every request.
@@ -237,6 +236,7 @@ def rejection_sample(
     Tensor [B, max_spec_len + 1] int32
         Accepted drafts, then the recovered or bonus token, then ``PLACEHOLDER_TOKEN_ID`` (-1).
     """
+    method = verification_method(spec_config)
     _check_supported(sampling_metadata)
     batch = len(num_draft_tokens)
     if target_logits.dim() != 2 or draft_token_ids.dim() != 1 or target_logits.shape[0] != draft_token_ids.shape[0]:
@@ -254,10 +254,11 @@ def rejection_sample(
 
     requests = torch.arange(batch, device=device)
     request_of_draft = torch.repeat_interleave(requests, cu[1:] - cu[:-1], output_size=num_drafts)
-    draft_logits = _constrain_logits(target_logits, sampling_metadata, request_of_draft)
+    draft_logits = process_target_logits(target_logits, draft_token_ids, num_draft_tokens, sampling_metadata,
+                                         bonus_rows=False, validate=bool(validate))
 
     # The op's layout: request b's draft rows at cu[b] + b + t, its bonus row at cu[b + 1] + b.
-    logits = target_logits.new_empty((num_drafts + batch, vocab))
+    logits = draft_logits.new_empty((num_drafts + batch, vocab))
     logits[torch.arange(num_drafts, device=device) + request_of_draft] = draft_logits
     point_mass = torch.arange(vocab, device=device)[None, :] == bonus.to(device)[:, None]
     logits[cu[1:] + requests] = torch.where(point_mass, 0.0, float("-inf")).to(logits.dtype)
@@ -268,7 +269,7 @@ def rejection_sample(
         seeds = request_seeds(getattr(sampling_metadata, "generators", None), batch, device,
                               skip=[b for b, n in enumerate(num_draft_tokens) if n == 0])
     output_token_ids, _ = _specdec_rejection_sample(
-        logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
+        logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len), method,
         **request_filters(sampling_metadata, batch, device), validate=validate, lenience=lenience)
     return output_token_ids
 
@@ -277,19 +278,25 @@ class RejectionSampler(nn.Module):
     """vLLM V1's rejection sampler as one launch of ``torch.ops.specdec.rejection_sample``.
 
     Accepted drafts, recovered tokens and bonus tokens all come from the op, so the emitted
-    tokens are exact samples of the (temperature, top-k, top-p adjusted) target. Greedy and
-    random requests mix; requests may have 0 drafts (they emit one token from their bonus row).
+    tokens are exact samples of the target as vLLM processes it (penalties, allowed tokens, bad
+    words, min_tokens, thinking budget; then temperature, top-k, top-p). Greedy and random
+    requests mix; requests may have 0 drafts (they emit one token from their bonus row).
 
     Parameters
     ----------
     validate : bool or None
         Check the metadata against vLLM's layout and the op's inputs (synchronizes); None =
         $SPECDEC_VALIDATE == "1".
+    spec_config : vLLM ``SpeculativeConfig`` or None
+        Read once: ``rejection_sample_method`` "standard" (or None) verifies draft by draft,
+        "block" jointly (both exact); FLy, synthetic acceptance and adaptive verification raise
+        ``ValueError`` here (``vllm_logits.verification_method``).
     """
 
-    def __init__(self, *, validate: bool | None = None):
+    def __init__(self, *, validate: bool | None = None, spec_config: Any = None):
         super().__init__()
         self.validate = validate
+        self.method = verification_method(spec_config)
 
     def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                 sampling_metadata: Any, *, lenience: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,7 +312,8 @@ class RejectionSampler(nn.Module):
         logits : Tensor [N + B, V] fp32 / bf16 / fp16
             vLLM's target logits at ``logits_indices``: request b's ``n_b`` draft rows, then its
             bonus row (``target_logits_indices`` / ``bonus_logits_indices`` describe exactly
-            this layout, which is the op's). Raw logits; not modified.
+            this layout, which is the op's). Raw logits; not modified (when vLLM's processing
+            applies, a float32 copy is processed, as vLLM does).
         sampling_metadata : vLLM ``SamplingMetadata``
             Seeded requests advance their generator by one draw per call.
         lenience : Tensor [B] or None
@@ -336,8 +344,8 @@ class RejectionSampler(nn.Module):
         if self.validate:
             self._check_layout(metadata, cu, requests, counts)
         temperature = request_temperature(sampling_metadata, batch, device)
-        row_to_request = torch.repeat_interleave(requests, counts + 1, output_size=num_drafts + batch)
-        target_logits = _constrain_logits(logits, sampling_metadata, row_to_request)
+        target_logits = process_target_logits(logits, draft_token_ids, num_draft_tokens, sampling_metadata,
+                                              bonus_rows=True, validate=bool(self.validate))
         if getattr(sampling_metadata, "all_greedy", False):
             seeds = torch.zeros(batch, dtype=torch.int64, device=device)
         else:
@@ -345,7 +353,8 @@ class RejectionSampler(nn.Module):
             seeds = request_seeds(getattr(sampling_metadata, "generators", None), batch, device)
         output_token_ids, _ = _specdec_rejection_sample(
             target_logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
-            **request_filters(sampling_metadata, batch, device), validate=self.validate, lenience=lenience)
+            self.method, **request_filters(sampling_metadata, batch, device), validate=self.validate,
+            lenience=lenience)
         return output_token_ids
 
     @staticmethod

@@ -1,0 +1,541 @@
+// The sampling filters' threshold pass on CUDA (docs/ALGORITHM.md §7): per target row of a
+// filtered request, the threshold logit t such that the row keeps exactly the logits >= t
+// (top-k, then top-p on what top-k kept, then min-p; t = max of the three). One cluster of
+// kThrCluster CTAs per row; the row is read from global memory once, into the CTAs' shared
+// memory, and every later pass runs there. No sort:
+//
+// - the row max M: each CTA's max, combined through distributed shared memory;
+// - top-k / top-p: a radix select of the k-th largest value (by count) and of the largest value v
+//   with mass(l >= v) >= p * Z_k (by mass). Level 0 bins the row by log-probability
+//   (kThrLogBins bins per halving of the probability below M, the last bin catching everything
+//   further down), so that the bins split where the mass is; each later level splits the chosen
+//   bin's key range into kThrBins digits, until the range is one float: at most 1 + 4 levels per
+//   selection, whatever the row. After level 0 each CTA keeps the chosen bin's entries in a short
+//   list (when they fit), so later levels read a handful of entries, not the slice.
+// - min-p: closed form, a bisection on the float bits (no memory traffic).
+//
+// Counts and masses are integers (mass: exp2((l - M) k) in fixed point, 2^-40 units), summed
+// with integer atomics: the same thresholds on every run, whatever the atomics' order.
+//
+// Thread-block clusters need sm_90; the binding (bindings/filters_cuda.cu) refuses older GPUs.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/common.cuh"
+#include "kernels/elements.cuh"
+
+namespace specdec {
+
+constexpr int kThrThreads = 512;  // one bin per thread in the scans
+constexpr int kThrWarps = kThrThreads / 32;
+constexpr int kThrCluster = 8;  // CTAs per row: the portable cluster size
+constexpr int kThrBins = kThrThreads;
+constexpr int kThrDigitBits = 9;  // log2(kThrBins): a sub-level's digit
+constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
+constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
+constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
+constexpr int kThrListCap = 2048;  // entries of a CTA's short list after level 0
+constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
+
+struct RowThresholdParams {
+  const void* logits;   // [num_rows, vocab] of T, unit inner stride
+  int64_t row_stride;   // in elements
+  const void* cu;       // chain: cu_num_draft_tokens; tree: cu_num_nodes
+  bool cu_int64;
+  const float* temperature;  // [num_requests] or nullptr (= 1)
+  const void* top_k;         // [num_requests] int32 / int64, or nullptr
+  bool top_k_int64;
+  const float* top_p;  // [num_requests] or nullptr
+  const float* min_p;  // [num_requests] or nullptr
+  int64_t num_requests;
+  int64_t num_rows;
+  int64_t vocab;
+  int64_t max_rows;  // chain: max_spec_len + 1 rows per request (slot = b * max_rows + t)
+  bool tree;         // tree: slot = node row
+  bool vectorized;   // rows 16-byte aligned: slices load as 16-byte vectors
+  int64_t slice;     // entries per CTA: ceil(vocab / kThrCluster) rounded up to kThrSliceAlign
+  float* thresholds;  // [slots]: the threshold logit, -inf for rows that are not filtered
+};
+
+namespace thr_detail {
+
+// Order-preserving key of a float without NaN: x < y <=> key(x) < key(y); -0.0 and +0.0 share
+// key 0x80000000 (key equality is float equality).
+__device__ __forceinline__ uint32_t key_of(float x) {
+  uint32_t b = __float_as_uint(x);
+  if ((b & 0x7FFFFFFFu) == 0) b = 0;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float value_of(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+constexpr uint32_t kKeyNegInf = 0x007FFFFFu;  // key_of(-inf)
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  if constexpr (std::is_same<T, float>::value) {
+    return x;
+  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __bfloat162float(x);
+  } else {
+    return __half2float(x);
+  }
+}
+
+// Level-0 bin of a logit: how many 1/kThrLogBins-halvings its probability lies below the max,
+// the last bin catching the rest (and -inf). Non-increasing in x: the bins are key ranges.
+__device__ __forceinline__ int log_bin(float x, float row_max, float k_bins) {
+  const float y = (row_max - x) * k_bins;
+  return y < static_cast<float>(kThrBins - 1) ? static_cast<int>(y) : kThrBins - 1;
+}
+
+// A token's mass exp2((x - M) k) in 2^-40 units.
+__device__ __forceinline__ unsigned long long mass_of(float x, float row_max, float k) {
+  return __float2ull_rn(exp2f((x - row_max) * k) * kThrMassUnit);
+}
+
+struct Shared {
+  unsigned int cnt[kThrBins];  // this CTA's histogram of the level
+  unsigned long long mass[kThrBins];
+  // The cluster's histogram, bins [rank * kThrBinsPerRank, ...) on CTA `rank`: the CTAs add theirs
+  // into it with distributed-shared-memory atomics. Three buffers, level L using L % 3: one
+  // cluster barrier per level suffices (a buffer is zeroed by its owner one level before its use,
+  // after everyone has read it two levels before).
+  unsigned int red_cnt[3][kThrBinsPerRank];
+  unsigned long long red_mass[3][kThrBinsPerRank];
+  uint32_t list[kThrListCap];
+  int list_n;
+  float cta_max;
+  float warp_f[kThrWarps];
+  unsigned long long warp_u64[kThrWarps];
+  unsigned int warp_u32[kThrWarps];
+  int warp_i[kThrWarps];
+  int64_t owner;
+  // The level's decision, written by the picking thread.
+  int pick;
+  unsigned int pick_cnt, pick_cnt_incl;
+  unsigned long long pick_mass, pick_mass_incl;
+};
+
+__device__ __forceinline__ float block_max(float v, Shared& sm) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  if ((threadIdx.x & 31) == 0) sm.warp_f[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = sm.warp_f[0];
+  for (int w = 1; w < kThrWarps; ++w) r = fmaxf(r, sm.warp_f[w]);
+  __syncthreads();
+  return r;
+}
+
+__device__ __forceinline__ int block_min(int v, Shared& sm) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFullMask, v, o));
+  if ((threadIdx.x & 31) == 0) sm.warp_i[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int r = sm.warp_i[0];
+  for (int w = 1; w < kThrWarps; ++w) r = min(r, sm.warp_i[w]);
+  __syncthreads();
+  return r;
+}
+
+// Inclusive scans over the block's threads in thread order (integers: exact, order-free).
+__device__ __forceinline__ void block_scan(unsigned int& c, unsigned long long& m, Shared& sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned int c_up = __shfl_up_sync(kFullMask, c, o);
+    const unsigned long long m_up = __shfl_up_sync(kFullMask, m, o);
+    if (lane >= o) {
+      c += c_up;
+      m += m_up;
+    }
+  }
+  if (lane == 31) {
+    sm.warp_u32[warp] = c;
+    sm.warp_u64[warp] = m;
+  }
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) {
+    c += sm.warp_u32[w];
+    m += sm.warp_u64[w];
+  }
+  __syncthreads();
+}
+
+// Sums of a per-thread count and mass over the warp, added by lane 0 to bin `bin`.
+__device__ __forceinline__ void warp_add_to_bin(unsigned int c, unsigned long long m, unsigned int* cnt,
+                                                unsigned long long* mass, int bin) {
+  for (int o = 16; o > 0; o >>= 1) {
+    c += __shfl_xor_sync(kFullMask, c, o);
+    m += __shfl_xor_sync(kFullMask, m, o);
+  }
+  if ((threadIdx.x & 31) == 0 && c > 0) {
+    atomicAdd(&cnt[bin], c);
+    atomicAdd(&mass[bin], m);
+  }
+}
+
+// The state of one selection: the answer's key lies in [lo, hi]; cnt_above / mass_above count
+// the keys above hi (and >= the floor); goal_mass is top-p's goal once level 0 knows the total.
+struct Selection {
+  uint32_t lo, hi;
+  unsigned long long mass_above;
+  unsigned int cnt_above;
+  bool level0;
+  double goal_mass;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+// One level of a selection: histogram this CTA's members, combine the cluster's histograms,
+// pick the bin that holds the answer (the same pick on every CTA: the same integers in the same
+// order), narrow the selection to it. by_mass: the goal is on the mass (top-p: goal_fraction of
+// the mass at or above the floor), else on the count (top-k: goal_cnt). Returns true when the
+// selection is done: sel.lo is the answer's key and sel.mass_above the mass at or above it.
+template <typename T>
+__device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
+                             int level, uint32_t floor_key, Selection& sel, bool need_mass, bool by_mass,
+                             unsigned int goal_cnt, double goal_fraction, float row_max, float k, bool& use_list) {
+  const int rb = level % 3;
+  const float k_bins = k * kThrLogBins;
+  const bool fill_list = !sel.level0 && !use_list;
+  // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
+  const uint32_t width = sel.hi - sel.lo;
+  const int shift = max(0, 32 - __clz(width) - kThrDigitBits);
+  for (int i = threadIdx.x; i < kThrBins; i += kThrThreads) {
+    sm.cnt[i] = 0;
+    sm.mass[i] = 0;
+  }
+  for (int i = threadIdx.x; i < kThrBinsPerRank; i += kThrThreads) {
+    sm.red_cnt[(level + 1) % 3][i] = 0;
+    sm.red_mass[(level + 1) % 3][i] = 0;
+  }
+  if (fill_list && threadIdx.x == 0) sm.list_n = 0;
+  __syncthreads();
+  unsigned int tail_c = 0;
+  unsigned long long tail_m = 0;
+  const int count = use_list ? sm.list_n : n;
+  const int lane = threadIdx.x & 31;
+  // Whole warps run every iteration (count rounded up), so that the list appends and the
+  // count-only bins are warp-aggregated: one shared atomic per warp, not one per member.
+  const int rounded = (count + 31) & ~31;
+  for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
+    bool member = false;
+    int bin = 0;
+    uint32_t key = 0;
+    float x = -INFINITY;
+    if (i < count) {
+      x = use_list ? value_of(sm.list[i]) : rs_detail::sanitize(to_float(slice[i]));
+      key = key_of(x);
+      if (key >= floor_key) {
+        if (sel.level0) {
+          member = true;
+          bin = log_bin(x, row_max, k_bins);
+        } else if (key >= sel.lo && key <= sel.hi) {
+          member = true;
+          bin = static_cast<int>((key - sel.lo) >> shift);
+        }
+      }
+    }
+    if (fill_list) {
+      const unsigned ballot = __ballot_sync(kFullMask, member);
+      int base = 0;
+      if (lane == 0 && ballot != 0) base = atomicAdd(&sm.list_n, __popc(ballot));
+      base = __shfl_sync(kFullMask, base, 0);
+      const int at = base + __popc(ballot & ((1u << lane) - 1u));
+      if (member && at < kThrListCap) sm.list[at] = key;
+    }
+    // The catch-all bin is summed in registers; the others with shared atomics. Every lane of
+    // the warp reaches the __match_any_sync (need_mass is uniform over the CTA).
+    const bool tail = member && sel.level0 && bin == kThrBins - 1;
+    const bool binned = member && !tail;
+    if (tail) {
+      tail_c += 1;
+      if (need_mass) tail_m += mass_of(x, row_max, k);
+    }
+    if (need_mass) {
+      if (binned) {
+        atomicAdd(&sm.cnt[bin], 1u);
+        atomicAdd(&sm.mass[bin], mass_of(x, row_max, k));
+      }
+    } else {
+      // Counts only: one atomic per distinct bin of the warp.
+      const unsigned peers = __match_any_sync(kFullMask, binned ? bin : -1);
+      if (binned && lane == __ffs(peers) - 1) atomicAdd(&sm.cnt[bin], static_cast<unsigned>(__popc(peers)));
+    }
+  }
+  if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm.cnt, sm.mass, kThrBins - 1);
+  __syncthreads();
+  // From the next level on, a CTA whose members all fit reads its list instead of its slice.
+  if (fill_list) use_list = sm.list_n <= kThrListCap;
+  // Add this CTA's bins into their owners' (integer atomics: the same sums in any order).
+  for (int b = threadIdx.x; b < kThrBins; b += kThrThreads) {
+    const unsigned int c = sm.cnt[b];
+    if (c != 0) {
+      const int owner = b / kThrBinsPerRank, at = b % kThrBinsPerRank;
+      atomicAdd(cluster.map_shared_rank(&sm.red_cnt[rb][at], owner), c);
+      if (need_mass) atomicAdd(cluster.map_shared_rank(&sm.red_mass[rb][at], owner), sm.mass[b]);
+    }
+  }
+  cluster.sync();
+  // Thread j holds the j-th bin in descending value order (level 0: bin j; later: digit kThrBins - 1 - j).
+  const int j = threadIdx.x;
+  const int bin = sel.level0 ? j : kThrBins - 1 - j;
+  const int owner = bin / kThrBinsPerRank, at = bin % kThrBinsPerRank;
+  const unsigned int c_bin = cluster.map_shared_rank(&sm.red_cnt[rb][at], owner)[0];
+  const unsigned long long m_bin = cluster.map_shared_rank(&sm.red_mass[rb][at], owner)[0];
+  unsigned int c = c_bin;
+  unsigned long long m = m_bin;
+  block_scan(c, m, sm);
+  if (sel.level0 && by_mass) {
+    // The mass at or above the floor is level 0's total (the last thread's inclusive sum).
+    if (j == kThrThreads - 1) sm.pick_mass_incl = m;
+    __syncthreads();
+    sel.goal_mass = goal_fraction * static_cast<double>(sm.pick_mass_incl);
+    __syncthreads();
+  }
+  const bool reached =
+      by_mass ? static_cast<double>(sel.mass_above + m) >= sel.goal_mass : sel.cnt_above + c >= goal_cnt;
+  const int pick = block_min(c_bin > 0 && reached ? j : kThrBins, sm);
+  if (pick == kThrBins) {  // nothing reaches the goal (rounding of a goal at the total): keep all
+    sel.lo = floor_key;
+    return true;
+  }
+  if (j == pick) {
+    sm.pick_cnt = c_bin;
+    sm.pick_cnt_incl = c;
+    sm.pick_mass = m_bin;
+    sm.pick_mass_incl = m;
+  }
+  __syncthreads();
+  sel.cnt_above += sm.pick_cnt_incl - sm.pick_cnt;
+  sel.mass_above += sm.pick_mass_incl - sm.pick_mass;
+  const unsigned long long picked_mass = sm.pick_mass;
+  __syncthreads();
+  if (sel.level0) {
+    // Bin `pick`'s key range, by bisection on log_bin (the same float arithmetic as the pass).
+    const uint32_t top = key_of(row_max);
+    auto first_key_at_most = [&](int bin_limit) {  // least key in [-inf, top] with log_bin <= bin_limit
+      uint32_t a = kKeyNegInf, z = top;
+      while (a < z) {
+        const uint32_t mid = a + ((z - a) >> 1);
+        if (log_bin(value_of(mid), row_max, k_bins) <= bin_limit) {
+          z = mid;
+        } else {
+          a = mid + 1;
+        }
+      }
+      return a;
+    };
+    sel.lo = max(pick == kThrBins - 1 ? kKeyNegInf : first_key_at_most(pick), floor_key);
+    sel.hi = pick == 0 ? top : first_key_at_most(pick - 1) - 1;
+    sel.level0 = false;
+  } else {
+    const uint64_t lo = static_cast<uint64_t>(sel.lo) + (static_cast<uint64_t>(kThrBins - 1 - pick) << shift);
+    const uint64_t hi = lo + ((uint64_t{1} << shift) - 1);
+    sel.lo = static_cast<uint32_t>(lo);
+    sel.hi = static_cast<uint32_t>(hi < sel.hi ? hi : sel.hi);
+  }
+  if (sel.lo == sel.hi) {
+    sel.mass_above += picked_mass;
+    return true;
+  }
+  return false;
+}
+
+// A whole selection (top-k: by count; top-p: by mass), from level 0 over the slice: the answer's
+// key; *mass_at_or_above gets the mass of the keys >= it (and >= floor_key).
+template <typename T>
+__device__ uint32_t select_key(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
+                               int& level, uint32_t floor_key, bool need_mass, bool by_mass, unsigned int goal_cnt,
+                               double goal_fraction, float row_max, float k, unsigned long long* mass_at_or_above) {
+  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0};
+  bool use_list = false;
+  while (!select_level<T>(cluster, sm, slice, n, level++, floor_key, sel, need_mass, by_mass, goal_cnt,
+                          goal_fraction, row_max, k, use_list)) {
+  }
+  *mass_at_or_above = sel.mass_above;
+  return sel.lo;
+}
+
+// Request b's filters and the slot's target row: false when the slot is not filtered.
+struct SlotFilters {
+  int64_t row;
+  float k;  // log2(e) / T
+  int top_k;
+  float top_p, min_p;
+  bool k_on, p_on, mp_on;
+};
+
+__device__ inline bool slot_filters(const RowThresholdParams& p, int64_t slot, Shared& sm, SlotFilters& f) {
+  int64_t b, row;
+  if (p.tree) {
+    // The owner of node row `slot`: the least i with cu[i] > row is owner + 1 (cu may be
+    // malformed: this is the owner under the sanitized offsets of the tree kernel).
+    row = slot;
+    if (threadIdx.x < 32) {
+      int64_t first = -1;
+      for (int64_t base = 0; base <= p.num_requests && first < 0; base += 32) {
+        const int64_t i = base + threadIdx.x;
+        const bool above = i <= p.num_requests && rs_detail::load_index(p.cu, p.cu_int64, i) > row;
+        const unsigned ballot = __ballot_sync(kFullMask, above);
+        if (ballot != 0) first = base + __ffs(ballot) - 1;
+      }
+      if (threadIdx.x == 0) sm.owner = first - 1;
+    }
+    __syncthreads();
+    b = sm.owner;
+    if (b < 0 || row >= p.num_rows) return false;
+  } else {
+    b = slot / p.max_rows;
+    const int64_t t = slot % p.max_rows;
+    const int64_t cu_lo = rs_detail::load_index(p.cu, p.cu_int64, b);
+    int64_t n = rs_detail::load_index(p.cu, p.cu_int64, b + 1) - cu_lo;
+    n = n < 0 ? 0 : (n > p.max_rows - 1 ? p.max_rows - 1 : n);
+    row = cu_lo + b + t;
+    if (t > n || row < 0 || row >= p.num_rows) return false;
+  }
+  const float temp = p.temperature != nullptr ? p.temperature[b] : 1.0f;
+  if (!(temp > 0.0f)) return false;  // greedy requests ignore the filters
+  f.row = row;
+  f.k = kLog2e / temp;
+  f.top_k = 0;
+  if (p.top_k != nullptr) {
+    const int64_t kk = rs_detail::load_index(p.top_k, p.top_k_int64, b);
+    f.top_k = static_cast<int>(kk < -1 ? -1 : (kk > p.vocab ? p.vocab : kk));
+  }
+  f.top_p = p.top_p != nullptr ? p.top_p[b] : 1.0f;
+  f.min_p = p.min_p != nullptr ? fminf(p.min_p[b], 1.0f) : 0.0f;
+  f.k_on = f.top_k > 0 && f.top_k < p.vocab;
+  f.p_on = f.top_p < 1.0f;  // NaN: off
+  f.mp_on = f.min_p > 0.0f;  // NaN: off
+  return f.k_on || f.p_on || f.mp_on;
+}
+
+// Key of the smallest float v with (v - M) k >= log2(min_p): 33 bisection steps on the key.
+__device__ inline uint32_t min_p_key(float row_max, float k, float min_p) {
+  const float goal = log2f(min_p);
+  uint32_t a = kKeyNegInf, z = key_of(row_max);
+  while (a < z) {
+    const uint32_t mid = a + ((z - a) >> 1);
+    if ((value_of(mid) - row_max) * k >= goal) {
+      z = mid;
+    } else {
+      a = mid + 1;
+    }
+  }
+  return a;
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+}  // namespace thr_detail
+
+// One cluster of kThrCluster CTAs per slot (blockIdx.x / kThrCluster); launched with the cluster
+// dimension by launch_row_thresholds. Dynamic shared memory: p.slice entries of T.
+template <typename T>
+__global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThresholdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  using namespace thr_detail;
+  __shared__ Shared sm;
+  extern __shared__ __align__(16) unsigned char thr_dynamic_smem[];
+  T* slice = reinterpret_cast<T*>(thr_dynamic_smem);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t slot = blockIdx.x / kThrCluster;
+  const int rank = static_cast<int>(cluster.block_rank());
+  SlotFilters f;
+  // Uniform over the cluster: every CTA returns here, or none does.
+  if (!slot_filters(p, slot, sm, f)) {
+    if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = -INFINITY;
+    return;
+  }
+  // This CTA's slice of the row, into shared memory; its max.
+  const int64_t start = static_cast<int64_t>(rank) * p.slice;
+  const int64_t left = p.vocab - start;
+  const int n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
+  const T* src = static_cast<const T*>(p.logits) + f.row * p.row_stride + start;
+  float local_max = -INFINITY;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  int done = 0;
+  if (p.vectorized) {
+    const int n_vec = n / kVec;
+    for (int i = threadIdx.x; i < n_vec; i += kThrThreads) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+      reinterpret_cast<uint4*>(slice)[i] = v;
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
+    }
+    done = n_vec * kVec;
+  }
+  for (int i = done + threadIdx.x; i < n; i += kThrThreads) {
+    const T v = src[i];
+    slice[i] = v;
+    local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
+  }
+  for (int i = threadIdx.x; i < 3 * kThrBinsPerRank; i += kThrThreads) {
+    sm.red_cnt[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
+    sm.red_mass[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
+  }
+  local_max = block_max(local_max, sm);  // (its barriers also publish the slice and the zeros)
+  if (threadIdx.x == 0) sm.cta_max = local_max;
+  cluster.sync();
+  float row_max = -INFINITY;
+  for (int q = 0; q < kThrCluster; ++q) row_max = fmaxf(row_max, cluster.map_shared_rank(&sm.cta_max, q)[0]);
+  uint32_t t_key = kKeyNegInf;
+  if (row_max > -INFINITY) {
+    int level = 0;
+    uint32_t k_key = kKeyNegInf;
+    unsigned long long unused = 0;
+    if (f.k_on) {
+      k_key = select_key<T>(cluster, sm, slice, n, level, kKeyNegInf, false, false, static_cast<unsigned>(f.top_k),
+                            0.0, row_max, f.k, &unused);
+    }
+    uint32_t p_key = kKeyNegInf;
+    if (f.p_on) {
+      // top-p on what top-k kept: the floor is t_k; p <= 0 keeps the top token(s) (goal 0).
+      p_key = select_key<T>(cluster, sm, slice, n, level, k_key, true, true, 0u,
+                            static_cast<double>(fmaxf(f.top_p, 0.0f)), row_max, f.k, &unused);
+    }
+    const uint32_t mp_key = f.mp_on ? min_p_key(row_max, f.k, f.min_p) : kKeyNegInf;
+    t_key = max(max(k_key, p_key), mp_key);
+    t_key = min(t_key, key_of(row_max));  // every filter keeps the max
+  }
+  if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = value_of(t_key);
+  // No CTA leaves while another may still read its shared memory.
+  cluster.sync();
+#else
+  __trap();  // sm_90 only: the binding checks the device first
+#endif
+}
+
+template <typename T>
+cudaError_t launch_row_thresholds(const RowThresholdParams& p, int64_t slots, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(p.slice) * sizeof(T);
+  cudaError_t err = cudaFuncSetAttribute(row_threshold_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(slots * kThrCluster), 1, 1);
+  config.blockDim = dim3(kThrThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kThrCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, row_threshold_kernel<T>, p);
+}
+
+}  // namespace specdec
