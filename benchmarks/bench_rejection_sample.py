@@ -20,6 +20,11 @@ card, versions and commit; append it to benchmarks/results/chain.csv with
     python benchmarks/bench_rejection_sample.py --out bench_out            # the core table
     python benchmarks/bench_rejection_sample.py --sweep full --out bench_out
     python benchmarks/bench_rejection_sample.py --methods token --out bench_out  # token verification only
+    python benchmarks/bench_rejection_sample.py --methods token,lenient --out bench_out  # exact vs lenient calls
+
+"lenient" is token verification with lenience = 0.5 for every request (docs/ALGORITHM.md §8;
+issue #39: a lenient call must cost at most an exact one, and exact calls must not get slower);
+its CSV rows have method "token" and variant "lenience 0.5".
 
 The PyTorch pipeline (and FlashInfer) verify token by token: they are timed in token rows only.
 """
@@ -94,10 +99,17 @@ def make_inputs(batch, k, vocab, dtype, draft_probs, seed):
     )
 
 
+LENIENCE = 0.5  # the "lenient" method's value, every request
+
+
 def our_call(inp, k, backend, method="token"):
+    lenience = None
+    if method == "lenient":
+        method = "token"
+        lenience = torch.full_like(inp["temperature"], LENIENCE, dtype=torch.float32)
     return lambda: specdec_kernels.rejection_sample(
         inp["target_logits"], inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"],
-        inp["temperature"], inp["seeds"], inp["offsets"], k, method, backend=backend)
+        inp["temperature"], inp["seeds"], inp["offsets"], k, method, lenience=lenience, backend=backend)
 
 
 def pipeline_call(inp, _k, _backend, _method="token"):
@@ -157,11 +169,12 @@ def main():
     ap.add_argument("--backends", default=None, help="comma list; default: every built GPU backend + torch")
     ap.add_argument("--max-graph-calls", type=int, default=16)
     ap.add_argument("--methods", default="token,block",
-                    help="comma list of verification methods (token, block); default: both")
+                    help="comma list of verification methods (token, block, lenient = token with lenience "
+                         f"{LENIENCE}); default: token,block")
     args = ap.parse_args()
     methods = args.methods.split(",")
-    if not methods or any(m not in ("token", "block") for m in methods):
-        ap.error(f"--methods takes token and/or block, got {args.methods!r}")
+    if not methods or any(m not in ("token", "block", "lenient") for m in methods):
+        ap.error(f"--methods takes token, block and/or lenient, got {args.methods!r}")
     os.makedirs(args.out, exist_ok=True)
     status = specdec_kernels.available_backends()
     backends = args.backends.split(",") if args.backends else \
@@ -186,7 +199,7 @@ def main():
         for method, (backend, make) in itertools.product(methods, timed):
             if method != "token" and backend in ("torch", "flashinfer"):
                 continue  # token-by-token verifiers
-            floor = floor_us(batch, k, vocab, dtype, probs, bandwidth, method)
+            floor = floor_us(batch, k, vocab, dtype, probs, bandwidth, "token" if method == "lenient" else method)
             eager = time_eager(make(sets[0], k, backend, method))
             graph = time_graph([make(s, k, backend, method) for s in sets]) if backend != "flashinfer" else float("nan")
             row = dict(info, backend=backend, method=method, B=batch, K=k, V=vocab, logits_dtype=dtype,
@@ -203,7 +216,9 @@ def main():
 
     csv_path = os.path.join(args.out, "bench_rejection_sample.csv")
     run = results_csv.run_info("chain")
-    write_csv(csv_path, results_csv.long_rows([dict(run, op="chain", **r) for r in rows],
+    csv_rows = [dict(r, method="token", variant=f"lenience {LENIENCE}") if r["method"] == "lenient" else r
+                for r in rows]
+    write_csv(csv_path, results_csv.long_rows([dict(run, op="chain", **r) for r in csv_rows],
                                               {"graph": "graph_us", "eager": "eager_us"},
                                               drop=("graph_over_floor", "eager_over_floor")))
     table = markdown_table(rows, info, bandwidth)

@@ -51,12 +51,12 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "_rejection_sample_triton(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "_tree_rejection_sample_triton(Tensor target_logits, Tensor tokens, Tensor parents, Tensor cu_num_nodes, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_depth, "
-      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
   // The same schemas for the CUDA C++ kernels with sampling filters: the threshold pass
   // (_row_thresholds_cuda), then the _cuda_filtered op below. CUDA kernels: bindings/filters_cuda.cu;
@@ -65,12 +65,12 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "_rejection_sample_cuda_filters(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "str method=\"token\", Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "_tree_rejection_sample_cuda_filters(Tensor target_logits, Tensor tokens, Tensor parents, "
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
-      "int max_depth, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None) "
+      "int max_depth, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 
   // The CUDA chain / tree kernels given the threshold pass's per-row thresholds (and, chain, its
@@ -80,11 +80,11 @@ TORCH_LIBRARY(specdec, m) {
       "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
       "str method, Tensor? row_thresholds, Tensor? kept_sum=None, Tensor? kept_max=None, Tensor? chunk_max=None, "
-      "Tensor? kept_chunk_mass=None) -> (Tensor output_token_ids, Tensor num_accepted)");
+      "Tensor? kept_chunk_mass=None, Tensor? lenience=None) -> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "_tree_rejection_sample_cuda_filtered(Tensor target_logits, Tensor tokens, Tensor parents, "
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "
-      "int max_depth, Tensor? row_thresholds) "
+      "int max_depth, Tensor? row_thresholds, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 
   // The sampling filters' threshold pass of the CUDA kernels (sm_90+): per slot (chain: request b's row

@@ -373,3 +373,18 @@ def test_block_rejects_trees(models):
                                 method="block")
     with pytest.raises(ValueError, match="method must be one of"):
         hf.speculative_generate(target, draft, PROMPTS[:1], max_new_tokens=4, method="blocks")
+
+
+def test_lenience_one_is_exact_and_low_lenience_accepts_more(models):
+    """speculative_generate(lenience=...) (issue #39): 1 gives the exact run's tokens for the same
+    seeds; 0.2 accepts more drafts on these seeds; block verification refuses it."""
+    target, draft = models
+    kwargs = dict(max_new_tokens=12, num_draft_tokens=3, temperature=1.0, eos_token_id=[], seed=[101, 202, 303])
+    exact = hf.speculative_generate(target, draft, PROMPTS[:3], **kwargs)
+    assert hf.speculative_generate(target, draft, PROMPTS[:3], lenience=1.0, **kwargs).tokens == exact.tokens
+    lenient = hf.speculative_generate(target, draft, PROMPTS[:3], lenience=[0.2, 0.2, 0.2], **kwargs)
+    assert lenient.stats.num_accepted_tokens > exact.stats.num_accepted_tokens
+    with pytest.raises(ValueError, match="lenience"):
+        hf.speculative_generate(target, draft, PROMPTS[:3], lenience=0.5, method="block", **kwargs)
+    with pytest.raises(ValueError, match="lenience"):
+        hf.speculative_generate(target, draft, PROMPTS[:3], lenience=0.0, **kwargs)

@@ -10,7 +10,7 @@ Triton's bundled ptxas, disassembles it with its nvdisasm, then prints the regis
 its most frequent instructions.
 
     python scripts/triton_sass.py [--batch 32] [--logits fp32] [--draft-probs] [--sms 132]
-        [--warps 4] [--set NAME=VALUE ...] [--tree NODES] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
+        [--warps 4] [--set NAME=VALUE ...] [--tree NODES] [--lenience] [--out DIR]   (keeps the .ttgir / .ptx / .sass there)
 
 The counts are static: a loop's body includes its branches (the greedy argmax, the excluded
 draft's chunk), so the path a random request takes is shorter (docs/DECISIONS.md,
@@ -80,7 +80,7 @@ def _gpu_launch(module, kernel: str, sms: int):
             setattr(owner, name, value)
 
 
-def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool, sms: int):
+def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool, sms: int, lenience: bool = False):
     """(args, kwargs) the launcher passes to ``_rejection_sample_kernel`` for the benchmark's call
     (bench_rejection_sample.make_inputs: a uniform batch, temperatures, seeds and offsets) on a GPU
     of ``sms`` SMs with launch overlap: ``rejection_sample_triton`` runs on CPU tensors with the
@@ -95,11 +95,13 @@ def launcher_call(batch: int, k: int, vocab: int, logits: str, draft_probs: bool
             torch.zeros(batch * (k + 1), vocab, dtype=dtype), torch.zeros(batch * k, dtype=torch.int64),
             torch.arange(0, (batch + 1) * k, k, dtype=torch.int32),
             torch.zeros(batch * k, vocab) if draft_probs else None, torch.ones(batch),
-            torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), k)
+            torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64), k,
+            lenience=torch.full((batch,), 0.5) if lenience else None)
     return capture.call["args"], capture.call["kwargs"]
 
 
-def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_probs: bool, sms: int):
+def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_probs: bool, sms: int,
+                       lenience: bool = False):
     """``launcher_call`` for the tree kernel: ``batch`` copies of the tree benchmark's shape of
     ``nodes`` nodes (bench_tree_rejection_sample.TREES; 64 is the tree bar's)."""
     import torch
@@ -117,7 +119,7 @@ def tree_launcher_call(batch: int, nodes: int, vocab: int, logits: str, draft_pr
             torch.zeros(n, vocab, dtype=dtype), torch.zeros(n, dtype=torch.int64), parents,
             torch.arange(0, n + 1, nodes, dtype=torch.int32), torch.zeros(n, vocab) if draft_probs else None,
             torch.ones(batch), torch.arange(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64),
-            tree_depth(TREES[nodes]))
+            tree_depth(TREES[nodes]), lenience=torch.full((batch,), 0.5) if lenience else None)
     return capture.call["args"], capture.call["kwargs"]
 
 
@@ -183,6 +185,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--logits", default="bf16", choices=["bf16", "fp16", "fp32"], help="the logits' dtype")
     parser.add_argument("--draft-probs", action="store_true", help="with fp32 draft probabilities")
+    parser.add_argument("--lenience", action="store_true", help="a lenient call (lenience 0.5: HAS_LENIENCE)")
     parser.add_argument("--sms", type=int, default=132, help="the GPU's SMs (the launcher's split), default 132")
     parser.add_argument("--warps", type=int, default=None, help="num_warps (default: the launcher's)")
     parser.add_argument("--tree", type=int, default=0, metavar="NODES",
@@ -195,9 +198,10 @@ def main() -> int:
     import triton
     if args.tree:
         call_args, call_kwargs = tree_launcher_call(args.batch, args.tree, args.vocab, args.logits, args.draft_probs,
-                                                    args.sms)
+                                                    args.sms, args.lenience)
     else:
-        call_args, call_kwargs = launcher_call(args.batch, 4, args.vocab, args.logits, args.draft_probs, args.sms)
+        call_args, call_kwargs = launcher_call(args.batch, 4, args.vocab, args.logits, args.draft_probs, args.sms,
+                                               args.lenience)
     overrides = dict((kv.split("=", 1)[0], _value(kv.split("=", 1)[1])) for kv in args.set)
     if args.warps:
         overrides["num_warps"] = args.warps

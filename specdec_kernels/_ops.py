@@ -59,25 +59,32 @@ def cuda_kernel_built(op: str = REJECTION_SAMPLE) -> bool:
 
 
 def triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                seeds, offsets, max_spec_len, method="token", top_k=None, top_p=None, min_p=None):
+                seeds, offsets, max_spec_len, method="token", top_k=None, top_p=None, min_p=None, lenience=None):
     """The Triton chain kernel on checked inputs (seeds drawn when absent)."""
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     tensors = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets)
     filters = (inner_contiguous(t) for t in (top_k, top_p, min_p))
     return rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_spec_len, method=method,
-                                   **dict(zip(("top_k", "top_p", "min_p"), filters)))
+                                   **dict(zip(("top_k", "top_p", "min_p"), filters)),
+                                   lenience=_lenience_f32(lenience))
 
 
 def tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
-                     offsets, max_depth, top_k=None, top_p=None, min_p=None):
+                     offsets, max_depth, top_k=None, top_p=None, min_p=None, lenience=None):
     """The Triton tree kernel on checked inputs (seeds drawn when absent)."""
     if seeds is None:
         seeds = draw_seeds(cu_num_nodes.shape[0] - 1, target_logits.device)
     tensors = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets)
     filters = (inner_contiguous(t) for t in (top_k, top_p, min_p))
     return tree_rejection_sample_triton(*(inner_contiguous(t) for t in tensors), max_depth,
-                                        **dict(zip(("top_k", "top_p", "min_p"), filters)))
+                                        **dict(zip(("top_k", "top_p", "min_p"), filters)),
+                                        lenience=_lenience_f32(lenience))
+
+
+def _lenience_f32(lenience):
+    """The kernels read lenience as a contiguous float32 vector (None stays None: exact)."""
+    return None if lenience is None else lenience.to(torch.float32).contiguous()
 
 
 _lib = torch.library.Library("specdec", "IMPL")
@@ -95,35 +102,30 @@ def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, 
 @torch.library.register_fake("specdec::_rejection_sample_cuda_filtered")
 def _rejection_sample_cuda_filtered_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                          temperature, seeds, offsets, max_spec_len, method, row_thresholds,
-                                         kept_sum=None, kept_max=None, chunk_max=None, kept_chunk_mass=None):
+                                         kept_sum=None, kept_max=None, chunk_max=None, kept_chunk_mass=None,
+                                         lenience=None):
     return _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
                                   seeds, offsets, max_spec_len, method)
 
 
 @torch.library.register_fake("specdec::_tree_rejection_sample_cuda_filtered")
 def _tree_rejection_sample_cuda_filtered_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                              temperature, seeds, offsets, max_depth, row_thresholds):
+                                              temperature, seeds, offsets, max_depth, row_thresholds, lenience=None):
     return _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
                                        seeds, offsets, max_depth)
 
 
 def _rejection_sample_cpu(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                           temperature, seeds, offsets, max_spec_len, method="token", top_k=None,
-                          top_p=None, min_p=None):
+                          top_p=None, min_p=None, lenience=None):
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p,
+                                  lenience)
     if seeds is None:
         seeds = draw_seeds(cu_num_draft_tokens.shape[0] - 1, target_logits.device)
     return rejection_sample_reference(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                       temperature, seeds, offsets, max_spec_len, method=method,
-                                      top_k=top_k, top_p=top_p, min_p=min_p)
-
-
-def _no_gpu_lenience(op: str, lenience):
-    # The lenience branch (issue #39) implements lenience in the GPU kernels; until it is merged
-    # only the CPU kernel has it.
-    if lenience is not None:
-        raise NotImplementedError(f"{op} on CUDA: lenience is implemented only by the CPU kernel in this build")
+                                      top_k=top_k, top_p=top_p, min_p=min_p, lenience=lenience)
 
 
 def _no_gpu_backend(op: str):
@@ -137,11 +139,11 @@ def _rejection_sample_cuda_triton(target_logits, draft_token_ids, cu_num_draft_t
                                   top_p=None, min_p=None, lenience=None):
     if rejection_sample_triton is None:
         _no_gpu_backend(REJECTION_SAMPLE)
-    _no_gpu_lenience(REJECTION_SAMPLE, lenience)
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p,
+                                  lenience)
     return triton_call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-                       seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
+                       seeds, offsets, max_spec_len, method, top_k, top_p, min_p, lenience)
 
 
 @torch.library.register_fake(TREE_REJECTION_SAMPLE)
@@ -154,14 +156,14 @@ def _tree_rejection_sample_fake(target_logits, tokens, parents, cu_num_nodes, dr
 
 
 def _tree_rejection_sample_cpu(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                               seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None):
+                               seeds, offsets, max_depth, top_k=None, top_p=None, min_p=None, lenience=None):
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p, lenience)
     if seeds is None:
         seeds = draw_seeds(cu_num_nodes.shape[0] - 1, target_logits.device)
     return tree_rejection_sample_reference(target_logits, tokens, parents, cu_num_nodes, draft_probs,
                                            temperature, seeds, offsets, max_depth, top_k=top_k, top_p=top_p,
-                                           min_p=min_p)
+                                           min_p=min_p, lenience=lenience)
 
 
 def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_nodes, draft_probs,
@@ -169,11 +171,10 @@ def _tree_rejection_sample_cuda_triton(target_logits, tokens, parents, cu_num_no
                                        min_p=None, lenience=None):
     if tree_rejection_sample_triton is None:
         _no_gpu_backend(TREE_REJECTION_SAMPLE)
-    _no_gpu_lenience(TREE_REJECTION_SAMPLE, lenience)
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p, lenience)
     return tree_triton_call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature,
-                            seeds, offsets, max_depth, top_k, top_p, min_p)
+                            seeds, offsets, max_depth, top_k, top_p, min_p, lenience)
 
 
 # Private twins of the two ops (schemas in csrc/ops.cpp): ``_rejection_sample_triton`` /

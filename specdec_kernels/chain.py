@@ -25,6 +25,7 @@ def rejection_sample(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    lenience: torch.Tensor | None = None,
     *,
     backend: str | None = None,
     validate: bool | None = None,
@@ -79,6 +80,13 @@ def rejection_sample(
         verification and the final token use the filtered target, so the emitted tokens
         follow it exactly. ``draft_probs`` must be what the drafter sampled from (filtered or
         not is the drafter's business). Greedy requests ignore them.
+    lenience : Tensor [B], float32 (float64 / bfloat16 / float16 accepted and cast), or None
+        Per request, in (0, 1]: opt-in, NOT exact (docs/ALGORITHM.md §8). Random requests
+        accept draft x iff ``u * l * p(x) < q(x)`` (deterministic drafts: ``u * l < q(x)``) and
+        sample a rejection from ``norm(max(0, q - l p))``: no token is emitted with probability
+        above ``q(x) / l``. Greedy requests also accept a draft with ``p(x) >= l * max p``
+        (softmax at T = 1). 1 = exact, bit-identical to None for the same seeds; None = exact
+        for every request. Not with ``method="block"`` (ValueError).
     backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (see ``specdec_kernels.available_backends()``).
         "auto" on CPU tensors runs the fused C++ CPU kernel ("cpu", the op's CPU dispatch; it
@@ -102,10 +110,11 @@ def rejection_sample(
     elif max_spec_len is None:
         max_spec_len = 0
     check_rejection_sample_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p)
+                                  temperature, seeds, offsets, max_spec_len, method, top_k, top_p, min_p,
+                                  lenience)
     if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
         check_rejection_sample_contents(target_logits, draft_token_ids, cu_num_draft_tokens,
-                                        draft_probs, temperature, max_spec_len, top_k, top_p, min_p)
+                                        draft_probs, temperature, max_spec_len, top_k, top_p, min_p, lenience)
     device = target_logits.device
     backend = resolve_backend(backend, device)
     filtered = top_k is not None or top_p is not None or min_p is not None
@@ -114,14 +123,15 @@ def rejection_sample(
     args = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
             offsets, max_spec_len)
     if backend == "reference":
-        return rejection_sample_reference(*args, method=method, top_k=top_k, top_p=top_p, min_p=min_p)
+        return rejection_sample_reference(*args, method=method, top_k=top_k, top_p=top_p, min_p=min_p,
+                                          lenience=lenience)
     if backend == "triton":
-        return _ops.triton_call(*args, method, top_k, top_p, min_p)
+        return _ops.triton_call(*args, method, top_k, top_p, min_p, lenience)
     if (filtered and backend == "auto" and device.type == "cuda" and _ops.cuda_kernel_built()
             and not _ops.cuda_filters_supported(device.index)):
         # The CUDA kernel's threshold pass needs sm_90: the Triton kernel has the filters here.
-        return torch.ops.specdec._rejection_sample_triton(*args, method, top_k, top_p, min_p)
-    return torch.ops.specdec.rejection_sample(*args, method, top_k, top_p, min_p)
+        return torch.ops.specdec._rejection_sample_triton(*args, method, top_k, top_p, min_p, lenience)
+    return torch.ops.specdec.rejection_sample(*args, method, top_k, top_p, min_p, lenience)
 
 
 def rejection_sample_padded(
@@ -139,6 +149,7 @@ def rejection_sample_padded(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    lenience: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` for padded batches: every request has K draft slots.
 
@@ -151,7 +162,7 @@ def rejection_sample_padded(
     num_draft_tokens : Tensor [B] or None
         Drafts actually proposed per request (<= K); slots past it are ignored and the final
         token of such a request comes from its row ``num_draft_tokens[b]``. None = K for all.
-    temperature, seeds, offsets, method, top_k, top_p, min_p, backend, validate
+    temperature, seeds, offsets, method, top_k, top_p, min_p, lenience, backend, validate
         As in ``rejection_sample``.
 
     Returns
@@ -181,4 +192,4 @@ def rejection_sample_padded(
         target_logits.reshape(batch * (k + 1), target_logits.shape[-1]),
         drafts.reshape(batch * k), cu,
         None if draft_probs is None else draft_probs.reshape(batch * k, draft_probs.shape[-1]),
-        temperature, seeds, offsets, k, method, top_k, top_p, min_p, backend=backend, validate=validate)
+        temperature, seeds, offsets, k, method, top_k, top_p, min_p, lenience, backend=backend, validate=validate)

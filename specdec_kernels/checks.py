@@ -3,7 +3,7 @@
 ``check_rejection_sample_inputs`` looks only at metadata (shape, dtype, device): it never
 synchronizes with the device and runs on every call of the Python API.
 ``check_rejection_sample_contents`` reads the values (ids, offsets, temperatures, draft
-probabilities, the ranges of top_k / top_p / min_p) and therefore synchronizes; it runs only
+probabilities, the ranges of top_k / top_p / min_p and lenience) and therefore synchronizes; it runs only
 when asked (``validate=True`` or SPECDEC_VALIDATE=1). Errors name the argument and, for
 contents, the offending request.
 """
@@ -37,10 +37,13 @@ METHODS = ("token", "block")
 
 def check_rejection_sample_inputs(
     target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-    seeds, offsets, max_spec_len, method="token", top_k=None, top_p=None, min_p=None,
+    seeds, offsets, max_spec_len, method="token", top_k=None, top_p=None, min_p=None, lenience=None,
 ) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "block" and lenience is not None:
+        raise ValueError("lenience is not defined for method='block' (block verification has no lenient form "
+                         "here): pass lenience=None, or method='token'")
     check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
     device = target_logits.device
     num_rows, vocab = target_logits.shape
@@ -60,6 +63,7 @@ def check_rejection_sample_inputs(
     _check_draft_probs(draft_probs, num_drafts, vocab, device)
     check_request_params(temperature, seeds, offsets, batch, device)
     _check_filters(top_k, top_p, min_p, batch, device)
+    check_lenience(lenience, batch, device)
     check_width("max_spec_len", max_spec_len)
 
 
@@ -112,6 +116,25 @@ def _check_filter_values(top_k, top_p, min_p) -> None:
             raise ValueError(f"{name}[{b}] = {value} must be {what}")
 
 
+def check_lenience(lenience, batch: int, device) -> None:
+    """Shape, dtype and device of ``lenience`` ([B], floating; None = exact for every request)."""
+    if lenience is not None:
+        check_tensor("lenience", lenience, ndim=1, dtypes=FLOAT_PARAM_DTYPES, device=device)
+        if lenience.shape[0] != batch:
+            raise ValueError(f"lenience must have shape (B,) = ({batch},), got {tuple(lenience.shape)}")
+
+
+def check_lenience_values(lenience) -> None:
+    """Each request's lenience in (0, 1] (synchronizes); 1 = exact."""
+    if lenience is None:
+        return
+    values = lenience.detach().to("cpu", torch.float64)
+    bad = torch.nonzero(~((values > 0) & (values <= 1)))
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"lenience[{b}] = {float(values[b])} must be in (0, 1] (1 = exact)")
+
+
 def check_width(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -123,7 +146,7 @@ def check_width(name: str, value) -> None:
 
 def check_tree_rejection_sample_inputs(
     target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth,
-    top_k=None, top_p=None, min_p=None,
+    top_k=None, top_p=None, min_p=None, lenience=None,
 ) -> None:
     check_tensor("target_logits", target_logits, ndim=2, dtypes=LOGIT_DTYPES)
     device = target_logits.device
@@ -142,12 +165,13 @@ def check_tree_rejection_sample_inputs(
     _check_draft_probs(draft_probs, num_nodes, vocab, device)
     check_request_params(temperature, seeds, offsets, batch, device)
     _check_filters(top_k, top_p, min_p, batch, device)
+    check_lenience(lenience, batch, device)
     check_width("max_depth", max_depth)
 
 
 def check_rejection_sample_contents(
     target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, max_spec_len,
-    top_k=None, top_p=None, min_p=None,
+    top_k=None, top_p=None, min_p=None, lenience=None,
 ) -> None:
     """Value checks (synchronizes). Call after ``check_rejection_sample_inputs``."""
     vocab = target_logits.shape[1]
@@ -178,11 +202,12 @@ def check_rejection_sample_contents(
             f"draft_token_ids[{i}] = {int(ids[i])} (request {b}) is outside the vocabulary [0, {vocab})")
     _check_values(temperature, draft_probs, cu)
     _check_filter_values(top_k, top_p, min_p)
+    check_lenience_values(lenience)
 
 
 def check_tree_rejection_sample_contents(
     target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, max_depth,
-    top_k=None, top_p=None, min_p=None,
+    top_k=None, top_p=None, min_p=None, lenience=None,
 ) -> None:
     """Value checks of the tree op (synchronizes). Call after the metadata checks."""
 
@@ -190,6 +215,7 @@ def check_tree_rejection_sample_contents(
                deterministic=draft_probs is None, max_depth=max_depth)
     _check_values(temperature, draft_probs, cu_num_nodes.detach().to("cpu", torch.int64))
     _check_filter_values(top_k, top_p, min_p)
+    check_lenience_values(lenience)
 
 
 def _check_values(temperature, draft_probs, cu) -> None:

@@ -25,6 +25,7 @@ def tree_rejection_sample(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    lenience: torch.Tensor | None = None,
     *,
     backend: str | None = None,
     validate: bool | None = None,
@@ -60,6 +61,12 @@ def tree_rejection_sample(
         target row of a random request (temperature -> top-k -> top-p -> min-p; a threshold
         pass before the kernel, docs/ALGORITHM.md §7); the walk and the final token use the
         filtered target. Greedy requests ignore them.
+    lenience : Tensor [B] or None
+        Per request, in (0, 1]: opt-in, NOT exact (docs/ALGORITHM.md §8), as in
+        ``rejection_sample``: children are accepted iff ``u * l * p_v(c) * mass < (q - a p_v)+(c)``
+        (the residual shrinks by ``l p_v`` per rejection), deterministic children iff
+        ``u * l < r(c)``, greedy children also when ``p(c) >= l * max p`` (T = 1). No token is
+        emitted with probability above ``q(x) / l`` at any node. 1 = exact, bit-identical to None.
     backend : {"auto", "cpu", "cuda", "triton", "reference"} or None
         None = $SPECDEC_BACKEND or "auto" (on CPU tensors: the fused C++ CPU kernel, "cpu"; on
         CUDA tensors: the CUDA C++ kernel when it was built, else the Triton kernel; with filters
@@ -84,10 +91,10 @@ def tree_rejection_sample(
         counts = (cu_num_nodes[1:] - cu_num_nodes[:-1]) if cu_num_nodes.numel() > 1 else None
         max_depth = max(int(counts.max()) - 1, 0) if counts is not None and counts.numel() else 0
     check_tree_rejection_sample_inputs(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p)
+                                       temperature, seeds, offsets, max_depth, top_k, top_p, min_p, lenience)
     if validate if validate is not None else os.environ.get("SPECDEC_VALIDATE") == "1":
         check_tree_rejection_sample_contents(target_logits, tokens, parents, cu_num_nodes, draft_probs,
-                                             temperature, max_depth, top_k, top_p, min_p)
+                                             temperature, max_depth, top_k, top_p, min_p, lenience)
     device = target_logits.device
     backend = resolve_backend(backend, device, _ops.TREE_REJECTION_SAMPLE)
     filtered = top_k is not None or top_p is not None or min_p is not None
@@ -95,11 +102,11 @@ def tree_rejection_sample(
         seeds = draw_seeds(cu_num_nodes.shape[0] - 1, device)
     args = (target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets, max_depth)
     if backend == "reference":
-        return tree_rejection_sample_reference(*args, top_k=top_k, top_p=top_p, min_p=min_p)
+        return tree_rejection_sample_reference(*args, top_k=top_k, top_p=top_p, min_p=min_p, lenience=lenience)
     if backend == "triton":
-        return _ops.tree_triton_call(*args, top_k, top_p, min_p)
+        return _ops.tree_triton_call(*args, top_k, top_p, min_p, lenience)
     if (filtered and backend == "auto" and device.type == "cuda" and _ops.cuda_kernel_built(_ops.TREE_REJECTION_SAMPLE)
             and not _ops.cuda_filters_supported(device.index)):
         # The CUDA kernel's threshold pass needs sm_90: the Triton kernel has the filters here.
-        return torch.ops.specdec._tree_rejection_sample_triton(*args, top_k, top_p, min_p)
-    return torch.ops.specdec.tree_rejection_sample(*args, top_k, top_p, min_p)
+        return torch.ops.specdec._tree_rejection_sample_triton(*args, top_k, top_p, min_p, lenience)
+    return torch.ops.specdec.tree_rejection_sample(*args, top_k, top_p, min_p, lenience)

@@ -74,6 +74,7 @@ struct Call {
   at::Tensor row_thresholds;  // sampling filters' thresholds per (request, row), or undefined
   // The threshold pass's record of the rows verified from their kept set, or undefined.
   at::Tensor kept_sum, kept_max, chunk_max, kept_chunk_mass;
+  at::Tensor lenience;  // float32 [B], or undefined (exact)
   int64_t num_requests, max_spec_len;
   at::Tensor out_tokens, num_accepted;
 };
@@ -117,6 +118,7 @@ void launch(const Call& call) {
     p.probs_vectorized = rows_vectorizable(call.draft_probs);
   }
   binding::set_request_params(p, call.temperature, call.seeds, call.offsets);
+  p.lenience = call.lenience.defined() ? call.lenience.data_ptr<float>() : nullptr;
   p.output_token_ids = call.out_tokens.data_ptr<int32_t>();
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
   p.counters = counters;
@@ -171,10 +173,13 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method, const std::optional<at::Tensor>& row_thresholds,
     const std::optional<at::Tensor>& kept_sum, const std::optional<at::Tensor>& kept_max,
-    const std::optional<at::Tensor>& chunk_max, const std::optional<at::Tensor>& kept_chunk_mass) {
+    const std::optional<at::Tensor>& chunk_max, const std::optional<at::Tensor>& kept_chunk_mass,
+    const std::optional<at::Tensor>& lenience) {
   const bool block_method = method == "block";
   TORCH_CHECK(method == "token" || block_method, kOp, ": method must be 'token' or 'block', got '",
               std::string(method), "'");
+  TORCH_CHECK(!(block_method && lenience.has_value()), kOp,
+              ": lenience is not defined for method='block': pass lenience=None, or method='token'");
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
@@ -212,6 +217,7 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
 
   binding::check_optional_inputs(kOp, device, num_drafts, vocab, num_requests, draft_probs, temperature, seeds,
                                  offsets);
+  const at::Tensor lenience_f32 = binding::lenience_f32(kOp, lenience, num_requests, device);
 
   // Sampling filters: the thresholds per (request, row), and the kept-set record (all four or
   // none, only with the thresholds), each a float32 vector of the size the kernel indexes.
@@ -256,6 +262,7 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
       call.kept_chunk_mass = kept_chunk_mass->contiguous();
     }
   }
+  call.lenience = lenience_f32;
   call.num_requests = num_requests;
   call.max_spec_len = max_spec_len;
 
@@ -273,7 +280,6 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method, const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
     const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& lenience) {
-  TORCH_CHECK(!lenience.has_value(), kOp, ": lenience is not implemented by the CUDA kernel in this build");
   if (top_k.has_value() || top_p.has_value() || min_p.has_value()) {
     // The threshold pass, then the kernel with the thresholds (bindings/filters_cuda.cu).
     using Opt = const std::optional<at::Tensor>&;
@@ -281,13 +287,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("specdec::_rejection_sample_cuda_filters", "")
             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, Opt,
-                                                      Opt, Opt, Opt, int64_t, c10::string_view, Opt, Opt, Opt)>();
+                                                      Opt, Opt, Opt, int64_t, c10::string_view, Opt, Opt, Opt, Opt)>();
     return with_filters.call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
-                             offsets, max_spec_len, method, top_k, top_p, min_p);
+                             offsets, max_spec_len, method, top_k, top_p, min_p, lenience);
   }
   return run_rejection_sample(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
                               offsets, max_spec_len, method, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                              std::nullopt);
+                              std::nullopt, lenience);
 }
 
 #ifdef SPECDEC_TRACE

@@ -91,6 +91,21 @@ inline void check_optional_inputs(const char* op, const at::Device& device, int6
   }
 }
 
+// The per-request lenience (docs/ALGORITHM.md §8): [B], a floating dtype, on the logits' device;
+// returned as the contiguous float32 vector the kernels read (undefined when absent: exact).
+inline at::Tensor lenience_f32(const char* op, const std::optional<at::Tensor>& lenience, int64_t num_requests,
+                               const at::Device& device) {
+  if (!lenience.has_value()) return at::Tensor();
+  const at::Tensor& t = *lenience;
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == num_requests, op, ": lenience must have shape (B,) = (", num_requests,
+              ",), got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kHalf,
+              op, ": lenience must have dtype float32, float64, bfloat16 or float16, got ", t.scalar_type());
+  check_device(op, "lenience", t, device);
+  return t.to(at::kFloat).contiguous();
+}
+
 // The per-request parameters both ops' kernel params share (same field names): temperature
 // (dtype code, or none), seeds and offsets with their index widths.
 template <typename Params>

@@ -133,7 +133,7 @@ ChainResult rejection_sample_cuda_filters(const at::Tensor& target_logits, const
                                           const at::Tensor& cu_num_draft_tokens, const OptTensor& draft_probs,
                                           const OptTensor& temperature, const OptTensor& seeds, const OptTensor& offsets,
                                           int64_t max_spec_len, c10::string_view method, const OptTensor& top_k,
-                                          const OptTensor& top_p, const OptTensor& min_p) {
+                                          const OptTensor& top_p, const OptTensor& min_p, const OptTensor& lenience) {
   TORCH_CHECK(max_spec_len >= 0, kOp, ": max_spec_len must be >= 0, got ", max_spec_len);
   const at::Tensor thresholds =
       row_thresholds_cuda(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, false, max_spec_len + 1);
@@ -142,16 +142,19 @@ ChainResult rejection_sample_cuda_filters(const at::Tensor& target_logits, const
           .findSchemaOrThrow("specdec::_rejection_sample_cuda_filtered", "")
           .typed<ChainResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                              const OptTensor&, const OptTensor&, int64_t, c10::string_view, const OptTensor&,
-                             const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&)>();
+                             const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                             const OptTensor&)>();
   return filtered.call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets,
-                       max_spec_len, method, thresholds, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+                       max_spec_len, method, thresholds, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                       lenience);
 }
 
 TreeResult tree_rejection_sample_cuda_filters(const at::Tensor& target_logits, const at::Tensor& tokens,
                                               const at::Tensor& parents, const at::Tensor& cu_num_nodes,
                                               const OptTensor& draft_probs, const OptTensor& temperature,
                                               const OptTensor& seeds, const OptTensor& offsets, int64_t max_depth,
-                                              const OptTensor& top_k, const OptTensor& top_p, const OptTensor& min_p) {
+                                              const OptTensor& top_k, const OptTensor& top_p, const OptTensor& min_p,
+                                              const OptTensor& lenience) {
   const at::Tensor thresholds =
       row_thresholds_cuda(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p, true, 1);
   static const auto filtered =
@@ -159,9 +162,9 @@ TreeResult tree_rejection_sample_cuda_filters(const at::Tensor& target_logits, c
           .findSchemaOrThrow("specdec::_tree_rejection_sample_cuda_filtered", "")
           .typed<TreeResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
-                            const OptTensor&)>();
+                            const OptTensor&, const OptTensor&)>();
   return filtered.call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets,
-                       max_depth, thresholds);
+                       max_depth, thresholds, lenience);
 }
 
 }  // namespace

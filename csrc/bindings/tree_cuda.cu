@@ -70,6 +70,7 @@ int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 struct Call {
   at::Tensor logits, tokens, parents, cu, draft_probs, temperature, seeds, offsets;
+  at::Tensor lenience;  // float32 [B], or undefined (exact)
   at::Tensor row_thresholds;  // sampling filters' thresholds per node row, or undefined
   int64_t num_requests, max_depth;
   at::Tensor out_tokens, out_nodes, num_accepted;
@@ -109,6 +110,7 @@ void launch(const Call& call) {
     p.probs_vectorized = rows_vectorizable(call.draft_probs);
   }
   binding::set_request_params(p, call.temperature, call.seeds, call.offsets);
+  p.lenience = call.lenience.defined() ? call.lenience.data_ptr<float>() : nullptr;
   p.output_token_ids = call.out_tokens.data_ptr<int32_t>();
   p.accepted_nodes = call.out_nodes.data_ptr<int32_t>();
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
@@ -144,7 +146,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_tree_rejection_sample(
     const at::Tensor& target_logits, const at::Tensor& tokens, const at::Tensor& parents,
     const at::Tensor& cu_num_nodes, const std::optional<at::Tensor>& draft_probs,
     const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& seeds,
-    const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& row_thresholds) {
+    const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& row_thresholds,
+    const std::optional<at::Tensor>& lenience) {
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
@@ -184,6 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_tree_rejection_sample(
   if (row_thresholds.has_value()) {
     binding::check_float_vector(kOp, "row_thresholds", *row_thresholds, target_logits.size(0), device);
   }
+  const at::Tensor lenience_f32 = binding::lenience_f32(kOp, lenience, num_requests, device);
 
   const c10::cuda::CUDAGuard guard(device);
   const auto int32_options = at::TensorOptions().dtype(at::kInt).device(device);
@@ -206,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_tree_rejection_sample(
                                                at::TensorOptions().dtype(at::kLong).device(device));
   if (offsets.has_value()) call.offsets = offsets->contiguous();
   if (row_thresholds.has_value()) call.row_thresholds = row_thresholds->contiguous();
+  call.lenience = lenience_f32;
   call.num_requests = num_requests;
   call.max_depth = max_depth;
 
@@ -224,7 +229,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
     const std::optional<at::Tensor>& offsets, int64_t max_depth, const std::optional<at::Tensor>& top_k,
     const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& lenience) {
-  TORCH_CHECK(!lenience.has_value(), kOp, ": lenience is not implemented by the CUDA kernel in this build");
   if (top_k.has_value() || top_p.has_value() || min_p.has_value()) {
     // The threshold pass, then the kernel with the thresholds (bindings/filters_cuda.cu).
     using Opt = const std::optional<at::Tensor>&;
@@ -233,12 +237,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
             .findSchemaOrThrow("specdec::_tree_rejection_sample_cuda_filters", "")
             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                   const at::Tensor&, const at::Tensor&, Opt, Opt, Opt,
-                                                                  Opt, int64_t, Opt, Opt, Opt)>();
+                                                                  Opt, int64_t, Opt, Opt, Opt, Opt)>();
     return with_filters.call(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds, offsets,
-                             max_depth, top_k, top_p, min_p);
+                             max_depth, top_k, top_p, min_p, lenience);
   }
   return run_tree_rejection_sample(target_logits, tokens, parents, cu_num_nodes, draft_probs, temperature, seeds,
-                                   offsets, max_depth, std::nullopt);
+                                   offsets, max_depth, std::nullopt, lenience);
 }
 
 // The host plan for given sizes, without a GPU (python_tests/test_cuda_plan.py):

@@ -607,7 +607,10 @@ __device__ void phase2_unit(const RejectionSampleParams& p, RsShared& sm, int un
     const float thr = kFiltered
                           ? p.row_thresholds[static_cast<int64_t>(b) * (p.max_spec_len + 1) + t_star] : -INFINITY;
     // q * P as exp2((l - M) k) * (P / S): P folds into the normalizer (P = 1 for token mode).
-    const float inv_sum = kBlock ? residual_scale * __frcp_rn(sum_star) : __frcp_rn(sum_star);
+    float inv_sum = kBlock ? residual_scale * __frcp_rn(sum_star) : __frcp_rn(sum_star);
+    // Lenience (token method): the residual max(0, q - l p) = l max(0, q / l - p), the same law
+    // with 1 / l folded into the normalizer (the race and the inverse CDF are scale-free).
+    if (!kBlock && p.lenience != nullptr) inv_sum = __fdiv_rn(inv_sum, __ldg(p.lenience + b));
     const int limit = p.vocab_size;
     const int tile_lo = split * p.plan.residual_tiles_per_split;
     const int tile_hi = min(tile_lo + p.plan.residual_tiles_per_split, p.plan.num_tiles);

@@ -88,6 +88,10 @@ struct RejectionSampleParams {
   bool seeds_int64;
   const void* offsets;  // [num_requests] int32 / int64, or nullptr (offset 0)
   bool offsets_int64;
+  // Per-request lenience in (0, 1] (docs/ALGORITHM.md §8), float32 [num_requests], or nullptr:
+  // exact for every request. Read by the finalizers' decisions and phase 2 only, never in a
+  // stream loop; l = 1 gives the exact op's tokens bit for bit. Token method only.
+  const float* lenience;
   int32_t* output_token_ids;  // [num_requests, max_spec_len + 1]
   int32_t* num_accepted;      // [num_requests]
   // Workspace. counters [2 * num_requests + 2], zero between calls: per-request phase-1 and

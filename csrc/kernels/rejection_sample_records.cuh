@@ -225,6 +225,14 @@ __device__ inline void decide_request(const RejectionSampleParams& p, int b, RsS
   if (threadIdx.x == 0) sm.t_star = INT_MAX;
   __syncthreads();
   const RequestContext rq = sm.rq;
+  // Lenience (docs/ALGORITHM.md §8): random requests test u (l p(x)) < q(x); greedy ones also
+  // accept a draft whose logit is within ln(l) of the row max (never when l = 1: +inf).
+  const bool lenient = p.lenience != nullptr;
+  float lam = 1.0f, ln_lam = INFINITY;
+  if (lenient) {
+    lam = __ldg(p.lenience + b);
+    ln_lam = lam < 1.0f ? logf(lam) : INFINITY;
+  }
   int stop_row = INT_MAX, stop_x = -1, stop_argmax = -1, stop_sample = -1;
   float stop_max = -INFINITY, stop_sum = 0.0f;
   for (int t = warp; t <= rq.n; t += kRsWarps) {
@@ -244,8 +252,9 @@ __device__ inline void decide_request(const RejectionSampleParams& p, int b, RsS
       bool accept;
       if (rq.greedy) {
         accept = x >= 0 && x == rs.argmax;
+        if (lenient) accept = accept || (x >= 0 && first.y - rs.row_max >= ln_lam);
       } else {
-        const float lx = first.y, px = first.z;
+        const float lx = first.y, px = lenient ? lam * first.z : first.z;
         const float q = (x >= 0 && lx > -INFINITY && rs.row_max > -INFINITY)
                             ? __fdiv_rn(exp2f((lx - rs.row_max) * rq.k), rs.row_sum)
                             : 0.0f;

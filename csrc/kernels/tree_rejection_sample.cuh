@@ -114,6 +114,9 @@ struct TreeRejectionSampleParams {
   bool seeds_int64;
   const void* offsets;  // [num_requests] int32 / int64, or nullptr (offset 0)
   bool offsets_int64;
+  // Per-request lenience in (0, 1] (docs/ALGORITHM.md §8), float32 [num_requests], or nullptr:
+  // exact. Read once by the finalizer's walk; l = 1 gives the exact op's tokens bit for bit.
+  const float* lenience;
   int32_t* output_token_ids;  // [num_requests, max_depth + 1]
   int32_t* accepted_nodes;    // [num_requests, max_depth + 1]
   int32_t* num_accepted;      // [num_requests]
@@ -969,6 +972,14 @@ __device__ void finalize_request(const TreeRejectionSampleParams& p, RtShared& s
   float mass = 1.0f;     // its total (exactly 1 while a = 0); recomputed lazily after a rejection
   bool mass_stale = false;
   float q_rejected = 0.0f;  // deterministic drafts: q of the rejected children's (distinct) tokens
+  // Lenience (docs/ALGORITHM.md §8): u l p(c) mass < (q - a p)+(c) with a += l mass per
+  // rejection, u l (1 - q(E)) < q(c), and greedy children within ln(l) of the row max.
+  const bool lenient = p.lenience != nullptr;
+  float lam = 1.0f, ln_lam = INFINITY;
+  if (lenient) {
+    lam = __ldg(p.lenience + rq.b);
+    ln_lam = lam < 1.0f ? logf(lam) : INFINITY;
+  }
   int cand = p.max_depth > 0 ? walk.next_child(0, 0) : -1;
   while (cand >= 0) {
     const RtNodeRecord c = walk.node(cand);
@@ -979,17 +990,20 @@ __device__ void finalize_request(const TreeRejectionSampleParams& p, RtShared& s
     bool accept, duplicate = false;
     if (rq.greedy) {
       accept = x_ok && c.token == st.argmax;
+      if (lenient) accept = accept || (x_ok && c.edge_logit - st.row_max >= ln_lam);
     } else if constexpr (kHasDraftProbs) {
       if (x_ok && mass_stale) {
         mass = residual_pass<T, P, false>(walk, sm, v, st, a).mass;
         mass_stale = false;
       }
       const float u = walk.accept_uniform(cand);
-      accept = x_ok && u * c.edge_prob * mass < fmaxf(q_x - a * c.edge_prob, 0.0f);
+      const float lp = lenient ? lam * c.edge_prob : c.edge_prob;
+      accept = x_ok && u * lp * mass < fmaxf(q_x - a * c.edge_prob, 0.0f);
     } else {
       duplicate = x_ok && walk.earlier_sibling_has(v, cand, c.token);
       const float u = walk.accept_uniform(cand);
-      accept = x_ok && !duplicate && u * (1.0f - q_rejected) < q_x;
+      const float ul = lenient ? u * lam : u;
+      accept = x_ok && !duplicate && ul * (1.0f - q_rejected) < q_x;
     }
     if (accept) {
       if (threadIdx.x == 0) {
@@ -1007,7 +1021,7 @@ __device__ void finalize_request(const TreeRejectionSampleParams& p, RtShared& s
     } else {
       if (x_ok && !rq.greedy) {
         if constexpr (kHasDraftProbs) {
-          a += mass;
+          a += lenient ? lam * mass : mass;  // the residual loses l p per rejection
           mass_stale = true;
         } else {
           q_rejected += duplicate ? 0.0f : q_x;

@@ -24,6 +24,15 @@ the measured draft/target cost ratio ``c`` (Leviathan et al. 2022, Thm 3.8):
 by draft: the same output law, never fewer accepted drafts in expectation; it changes only
 sampled runs (greedy output is the same). The theory columns are token verification's.
 
+``--lenience L [L ...]`` (e.g. ``--sample --lenience 1 0.7 0.5 0.3``) runs the opt-in, NOT exact
+lenient verification of docs/ALGORITHM.md §8 instead of the summary above: for each drafter
+and each l, acceptance, tokens per step, the speedup over ``generate``, the target's mean
+log-likelihood of the generated tokens and the total-variation distance of the first emitted
+token from the target on a fixed set of contexts (the prompts, and the prompts followed by the
+first tokens of ``generate``'s output), measured over ``--tv-draws`` seeded steps and from the
+closed form; ``--csv PATH`` writes the table (benchmarks/plot_lenience.py draws speed against
+quality from it).
+
 ``--tree`` adds tree mode for the model-based drafters ("early-exit-tree", "draft-model-tree"):
 each step the drafter expands an EAGLE-2 style top-k tree (``--tree-shape NODES,TOP_K,DEPTH``)
 and the target verifies all its nodes in one forward (``tree_rejection_sample``). The chain
@@ -43,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import default_model, drafters
+from . import default_model, drafters, quality
 from . import speculative as hf
 
 #: The drafters run by default, by device. Prompt lookup on both; on a GPU also its token-tree form
@@ -162,6 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "memory-bound, and extra threads stall when another process shares the cores)")
     parser.add_argument("--allow-download", action="store_true", help="let transformers download missing models")
     parser.add_argument("--no-baseline", action="store_true", help="skip timing the target's own generate")
+    parser.add_argument("--lenience", type=float, nargs="+", default=None, metavar="L",
+                        help="opt-in, NOT exact: sweep these lenience values in (0, 1] (1 = exact) and print speed "
+                             "against quality (docs/ALGORITHM.md §8)")
+    parser.add_argument("--tv-draws", type=int, default=1000,
+                        help="--lenience: seeded steps per context for the measured first-token distance")
+    parser.add_argument("--csv", default=None, help="--lenience: write the table to this CSV (long format)")
     args = parser.parse_args(argv)
     if args.temperature is None:
         args.temperature = DEFAULT_SAMPLING_TEMPERATURE if args.sample else 0.0
@@ -184,6 +199,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--draft-cost wants auto, off or a number >= 0, got {args.draft_cost!r}")
         if not args.draft_cost >= 0:
             parser.error(f"--draft-cost must be >= 0, got {args.draft_cost}")
+    if args.lenience is not None:
+        if not all(0.0 < v <= 1.0 for v in args.lenience):
+            parser.error(f"--lenience values must be in (0, 1] (1 = exact), got {args.lenience}")
+        if args.method == "block":
+            parser.error("--lenience has no block form: use --method token")
+        if args.tv_draws < 1:
+            parser.error("--tv-draws must be >= 1")
+    elif args.csv is not None:
+        parser.error("--csv writes the --lenience table: pass --lenience too")
     try:
         nodes, top_k, depth = (int(part) for part in args.tree_shape.split(","))
         args.tree_spec = hf.TreeSpec(num_draft_nodes=nodes, top_k=top_k, max_depth=depth)
@@ -507,7 +531,8 @@ def measure_draft_cost(target, token_ids: list[int], k: int, device: str, repeat
 
 
 def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, args: argparse.Namespace,
-                    max_new_tokens: int, progress: _Progress | None = None, k: int | None = 4) -> RunRecord:
+                    max_new_tokens: int, progress: _Progress | None = None, k: int | None = 4,
+                    lenience: float | None = None) -> RunRecord:
     """Time ``speculative_generate`` on one prompt (one request), logging every verify step.
 
     Returns
@@ -532,7 +557,7 @@ def run_speculative(target, drafter: drafters.RecordingDrafter, prompt: Prompt, 
                                      num_draft_tokens=k,
                                      temperature=args.temperature, top_k=args.top_k,
                                      top_p=args.top_p, seed=args.seed, on_step=on_step,
-                                     method=args.method)
+                                     method=args.method, lenience=lenience)
     _sync(args.device)
     seconds = time.perf_counter() - start
     # A step emits its accepted drafts + 1 token, except that the last step may be cut at EOS:
@@ -663,6 +688,154 @@ def print_summary(names: list[str], prompts: list[Prompt], all_runs: dict[tuple[
             print(line)
 
 
+# ---------------------------------------------------------------------------------------------
+# Lenience: speed against quality (docs/ALGORITHM.md §8)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (the `card` of a CPU run's CSV rows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "cpu"
+
+
+def _commit() -> str:
+    import os
+    import subprocess
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(os.path.abspath(__file__)), text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def lenience_contexts(prompts: list[Prompt], records: dict, have_baseline: bool, prefix: int = 16) -> list[list[int]]:
+    """The fixed contexts of the first-token distance: each prompt, and each prompt followed by
+    the first ``prefix`` tokens of ``generate``'s output on it (when it ran and emitted that many)."""
+    contexts = [list(p.token_ids) for p in prompts]
+    if have_baseline:
+        for p in prompts:
+            out = records[("generate", p.label)].tokens
+            if len(out) >= prefix:
+                contexts.append(list(p.token_ids) + out[:prefix])
+    return contexts
+
+
+def run_lenience_sweep(target, built: dict, names: list[str], prompts: list[Prompt], args: argparse.Namespace,
+                       eos: set[int], pad: int, description: str) -> list[dict]:
+    """Every drafter at every ``args.lenience`` on every prompt (and ``generate``), then the
+    quality measures (``quality``); prints the table and returns its rows."""
+    have_baseline = not args.no_baseline
+    records: dict[tuple[str, str], RunRecord] = {}
+    runs = ([("generate", None)] if have_baseline else []) + [(n, lam) for n in names for lam in args.lenience]
+    for prompt in prompts:  # interleaved, as in main(): a machine's slow phases hit every method alike
+        for name, lam in runs:
+            key = name if lam is None else f"{name}@{lam:g}"
+            progress = _Progress(args.max_new_tokens, f"{key} [{prompt.label}]", leave=False)
+            try:
+                if name == "generate":
+                    rec = [run_baseline(target, prompt, args, eos, pad, args.max_new_tokens, progress)
+                           for _ in range(args.repeats)]
+                else:
+                    rec = [run_speculative(target, built[name], prompt, args, args.max_new_tokens, progress,
+                                           k=lookahead(name, args), lenience=lam)
+                           for _ in range(args.repeats)]
+            finally:
+                progress.close()
+            records[(key, prompt.label)] = median_run(rec)
+    contexts = lenience_contexts(prompts, records, have_baseline)
+    sampling = hf.SamplingParams(args.temperature, args.top_k, args.top_p)
+    baseline = Totals()
+    if have_baseline:
+        for p in prompts:
+            baseline.add(records[("generate", p.label)])
+    info = dict(bench="lenience", card=cpu_name() if args.device == "cpu" else torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=_triton_version(), cuda=torch.version.cuda or "none",
+                commit=_commit(), source="measured", backend="auto", op="tree" if args.tree else "chain",
+                method=args.method, B=1, K=args.k, V=target.config.vocab_size, mode="eager",
+                note=f"{description}; {len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+                     f"{args.device}; speedups on a shared machine are noisy")
+    rows = []
+    for name, lam in runs:
+        key = name if lam is None else f"{name}@{lam:g}"
+        totals = Totals()
+        for p in prompts:
+            totals.add(records[(key, p.label)])
+        s = summarize(totals, baseline if have_baseline else None, 0 if name == "generate" else lookahead(name, args),
+                      name.endswith("-tree"))
+        loglik = [quality.mean_log_likelihood(target, p.token_ids, records[(key, p.label)].tokens) for p in prompts]
+        weights = [len(records[(key, p.label)].tokens) for p in prompts]
+        tv_measured = tv_law = accept_law = float("nan")
+        if name != "generate":
+            fits = [quality.first_token_tv(target, built[name].drafter, ctx, sampling, lam, args.tv_draws,
+                                           args.seed + 1000 * i) for i, ctx in enumerate(contexts)]
+            tv_measured, tv_law, accept_law = (sum(f[j] for f in fits) / len(fits) for j in range(3))
+        rows.append(dict(info, variant=name, time_us=round(1e6 * totals.seconds / max(totals.tokens, 1), 1),
+                         drafter=name, lenience="" if lam is None else lam, temperature=args.temperature,
+                         max_new_tokens=args.max_new_tokens, prompts=len(prompts), tokens=totals.tokens,
+                         acceptance=s["acceptance"] if name != "generate" else "",
+                         tokens_per_step=s["tokens_per_step"] if name != "generate" else 1.0,
+                         speedup=s["speedup"] if name != "generate" else 1.0,
+                         mean_loglik=sum(v * w for v, w in zip(loglik, weights)) / max(sum(weights), 1),
+                         tv_first_measured=tv_measured, tv_first_law=tv_law, accept_first_law=accept_law,
+                         tv_contexts=len(contexts),
+                         tv_draws=args.tv_draws))
+    print(f"\n=== lenience (K = {args.k}, {'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, "
+          f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens; NOT exact below l = 1)")
+    print("acceptance: accepted / proposed drafts; speedup: tokens/s over target.generate (noisy on a busy machine)\n"
+          "loglik: the target's mean log-probability (T = 1) of the generated tokens\n"
+          f"TV first: total variation of the first emitted token from the target on {len(contexts)} fixed contexts, "
+          f"measured over {args.tv_draws} seeded steps (its l = 1 value is the noise floor) | closed form\n"
+          "P(accept 1st): the probability that the first draft is accepted on those contexts, closed form "
+          "(sum min(p, q / l); 0 where the drafter proposes nothing)")
+    print(f"{'method':<16} {'l':>5} {'acceptance':>10} {'tokens/step':>11} {'speedup':>8} {'loglik':>8} "
+          f"{'TV first':>17} {'P(accept 1st)':>13}")
+    for r in rows:
+        print(f"{r['drafter']:<16} {_fmt(r['lenience'] if r['lenience'] != '' else float('nan')):>5} "
+              f"{_fmt(r['acceptance'] if r['acceptance'] != '' else float('nan')):>10} "
+              f"{_fmt(r['tokens_per_step']):>11} {_fmt(r['speedup']):>8} {_fmt(r['mean_loglik'], 3):>8} "
+              f"{_fmt(r['tv_first_measured'], 3):>8} | {_fmt(r['tv_first_law'], 3):<6} "
+              f"{_fmt(r['accept_first_law'], 3):>13}")
+    if args.csv:
+        write_lenience_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
+    return rows
+
+
+LENIENCE_COLUMNS = ("bench", "experiment", "variant", "knobs", "card", "torch", "triton", "cuda", "commit", "source",
+                    "backend", "op", "method", "B", "K", "V", "nodes", "logits_dtype", "draft_probs", "mode",
+                    "time_us", "floor_us", "ratio", "bandwidth_TBps", "note", "drafter", "lenience", "temperature",
+                    "max_new_tokens", "prompts", "tokens", "acceptance", "tokens_per_step", "speedup", "mean_loglik",
+                    "tv_first_measured", "tv_first_law", "accept_first_law", "tv_contexts", "tv_draws")
+
+
+def write_lenience_csv(path: str, rows: list[dict]) -> None:
+    """The rows in the long format of benchmarks/results_csv.py (its columns first; one row per
+    method and lenience; time_us = wall time per generated token), then the lenience columns."""
+    import csv
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(LENIENCE_COLUMNS), extrasaction="raise")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = parse_args(argv)
@@ -724,6 +897,10 @@ def main(argv: list[str] | None = None) -> int:
     if warm_tokens:
         for name, drafter in built.items():
             run_speculative(target, drafter, prompts[0], args, warm_tokens, k=lookahead(name, args))
+
+    if args.lenience is not None:
+        run_lenience_sweep(target, built, names, prompts, args, eos, pad, description)
+        return 0
 
     # Interleaved (prompt by prompt, every method, repeat by repeat) so that a machine's slow
     # phases hit all alike.

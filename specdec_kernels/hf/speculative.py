@@ -935,6 +935,7 @@ def speculative_generate(
     on_step: Callable[[StepInfo], None] | None = None,
     target_lm: CachedCausalLM | None = None,
     method: str = "token",
+    lenience: float | Sequence[float] | None = None,
 ) -> GenerationResult:
     """Generate with speculative decoding, verifying all requests in one op call per step.
 
@@ -976,6 +977,11 @@ def speculative_generate(
         "block" jointly (Sun et al. 2024): the same output law, never fewer accepted drafts in
         expectation. Only random requests differ; greedy output is the same. Chain mode only:
         tree verification has no block variant, so "block" with trees raises a ValueError.
+    lenience : float, sequence of float (one per request) or None
+        Opt-in, NOT exact (docs/ALGORITHM.md §8): the op's per-request ``lenience`` in (0, 1].
+        Random requests accept a draft x iff ``u l p(x) < q(x)`` (no token is emitted with
+        probability above q(x) / l), greedy ones also a draft with ``p(x) >= l max p``. None or
+        1 = exact. Token verification only (``method="block"`` raises a ValueError).
 
     Returns
     -------
@@ -984,6 +990,8 @@ def speculative_generate(
     start_time = time.perf_counter()
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
+    if lenience is not None and method == "block":
+        raise ValueError("lenience is not defined for method='block': pass lenience=None, or method='token'")
     num_requests = len(prompts)
     committed = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
     if any(len(tokens) == 0 for tokens in committed):
@@ -1006,6 +1014,9 @@ def speculative_generate(
         _per_request(temperature, num_requests, "temperature"), _per_request(top_k, num_requests, "top_k"),
         _per_request(top_p, num_requests, "top_p"))]
     gens = request_generators(num_requests, device, seed, generators)
+    lenient = None if lenience is None else [float(v) for v in _per_request(lenience, num_requests, "lenience")]
+    if lenient is not None and not all(0.0 < v <= 1.0 for v in lenient):
+        raise ValueError(f"lenience must be in (0, 1] (1 = exact), got {lenient}")
     eos = _eos_set(eos_token_id, target)
     prompt_lengths = [len(tokens) for tokens in committed]
     stats = GenerationStats()
@@ -1035,7 +1046,8 @@ def speculative_generate(
             root_columns.append(root_column)
         t2 = time.perf_counter()
         emitted, accepted_nodes = _verify(rows, proposals, [committed[b][-1] for b in active],
-                                          [sampling[b] for b in active], [gens[b] for b in active], method)
+                                          [sampling[b] for b in active], [gens[b] for b in active], method,
+                                          None if lenient is None else [lenient[b] for b in active])
         t3 = time.perf_counter()
 
         still_active = []
@@ -1095,14 +1107,16 @@ def _score_proposal(target_lm: CachedCausalLM, request: int, tokens: Sequence[in
 
 
 def _verify(rows: list[torch.Tensor], proposals: list, roots: list[int], sampling: list[SamplingParams],
-            generators: list[torch.Generator], method: str = "token") -> tuple[list[list[int]], list[list[int]]]:
-    """One op call over every active request (chains verified with ``method``).
+            generators: list[torch.Generator], method: str = "token", lenience: list[float] | None = None
+            ) -> tuple[list[list[int]], list[list[int]]]:
+    """One op call over every active request (chains verified with ``method``; ``lenience``: one
+    per request, or None = exact).
 
     Returns, per request, the tokens of this step (the accepted drafts, then the target's token)
     and the accepted path's local nodes (0 = the root, then the accepted drafts' nodes).
     """
     if all(isinstance(p, DraftChain) for p in proposals):
-        emitted = _verify_chains(rows, proposals, sampling, generators, method)
+        emitted = _verify_chains(rows, proposals, sampling, generators, method, lenience)
         return emitted, [list(range(len(tokens))) for tokens in emitted]
     if method == "block":
         raise ValueError(_BLOCK_NEEDS_CHAINS)
@@ -1113,7 +1127,7 @@ def _verify(rows: list[torch.Tensor], proposals: list, roots: list[int], samplin
             raise ValueError("a step mixes trees with sampled chains (draft probabilities): one op call verifies "
                              "the step, so a drafter proposing trees must propose deterministic chains only")
     trees = [p if isinstance(p, DraftTokenTree) else DraftTokenTree(p.tokens, p.parents) for p in proposals]
-    return _verify_trees(rows, trees, roots, sampling, generators)
+    return _verify_trees(rows, trees, roots, sampling, generators, lenience)
 
 
 def _prepare_target_logits(rows: list[torch.Tensor], sampling: list[SamplingParams]
@@ -1137,6 +1151,10 @@ def _step_seeds(generators: list[torch.Generator], device) -> torch.Tensor:
                       .to(device) for g in generators])
 
 
+def _lenience_tensor(lenience: list[float] | None, device) -> torch.Tensor | None:
+    return None if lenience is None else torch.tensor(lenience, dtype=torch.float32, device=device)
+
+
 def _cumulative_counts(counts: list[int], device) -> torch.Tensor:
     cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
@@ -1144,7 +1162,8 @@ def _cumulative_counts(counts: list[int], device) -> torch.Tensor:
 
 
 def _verify_chains(rows: list[torch.Tensor], chains: list[DraftChain], sampling: list[SamplingParams],
-                   generators: list[torch.Generator], method: str = "token") -> list[list[int]]:
+                   generators: list[torch.Generator], method: str = "token",
+                   lenience: list[float] | None = None) -> list[list[int]]:
     """``rejection_sample`` (``method`` "token" or "block") over every request: its tokens for this step.
 
     ``rows[i]`` [n_i + 1, V]: the target's logits for request i's draft positions and bonus
@@ -1164,15 +1183,15 @@ def _verify_chains(rows: list[torch.Tensor], chains: list[DraftChain], sampling:
             for chain in chains])
     out, num_accepted = rejection_sample(logits, drafts, _cumulative_counts(counts, device), draft_probs,
                                          temperature, _step_seeds(generators, device), None, max(counts), method,
-                                         **filters)
+                                         lenience=_lenience_tensor(lenience, device), **filters)
     num_accepted = num_accepted.tolist()
     out = out.tolist()
     return [out[i][:num_accepted[i] + 1] for i in range(len(chains))]
 
 
 def _verify_trees(rows: list[torch.Tensor], trees: list[DraftTokenTree], roots: list[int],
-                  sampling: list[SamplingParams], generators: list[torch.Generator]
-                  ) -> tuple[list[list[int]], list[list[int]]]:
+                  sampling: list[SamplingParams], generators: list[torch.Generator],
+                  lenience: list[float] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """``tree_rejection_sample`` over every request (deterministic drafts, ``draft_probs=None``).
 
     ``rows[i]`` [n_i + 1, V]: the target's logits after request i's root and each of its drafts.
@@ -1186,7 +1205,7 @@ def _verify_trees(rows: list[torch.Tensor], trees: list[DraftTokenTree], roots: 
     cu = _cumulative_counts([tree.tokens.numel() + 1 for tree in trees], device)
     out, accepted_nodes, num_accepted = tree_rejection_sample(
         logits, tokens, parents, cu, None, temperature, _step_seeds(generators, device), None,
-        max(tree.depth for tree in trees), **filters)
+        max(tree.depth for tree in trees), lenience=_lenience_tensor(lenience, device), **filters)
     num_accepted = num_accepted.tolist()
     out = out.tolist()
     accepted_nodes = accepted_nodes.tolist()

@@ -190,6 +190,7 @@ def rejection_sample(
     *,
     validate: bool | None = None,
     spec_config: Any = None,
+    lenience: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """vLLM's ``rejection_sample`` with the bonus tokens already sampled (one op launch).
 
@@ -226,6 +227,9 @@ def rejection_sample(
     spec_config : vLLM ``SpeculativeConfig`` or None
         Its ``rejection_sample_method`` picks the op's method ("standard" or "block"); FLy and
         synthetic acceptance raise ``ValueError`` (``vllm_logits.verification_method``).
+    lenience : Tensor [B] or None
+        Our extension (vLLM has no such field): per-request lenience in (0, 1], opt-in and NOT
+        exact (docs/ALGORITHM.md §8, docs/INTEGRATION.md). None = exact for every request.
 
     Returns
     -------
@@ -266,7 +270,7 @@ def rejection_sample(
                               skip=[b for b, n in enumerate(num_draft_tokens) if n == 0])
     output_token_ids, _ = _specdec_rejection_sample(
         logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len), method,
-        **request_filters(sampling_metadata, batch, device), validate=validate)
+        **request_filters(sampling_metadata, batch, device), validate=validate, lenience=lenience)
     return output_token_ids
 
 
@@ -295,7 +299,7 @@ class RejectionSampler(nn.Module):
         self.method = verification_method(spec_config)
 
     def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                sampling_metadata: Any) -> torch.Tensor:
+                sampling_metadata: Any, *, lenience: torch.Tensor | None = None) -> torch.Tensor:
         """Verify every request's drafts and sample its final token.
 
         Parameters
@@ -312,6 +316,9 @@ class RejectionSampler(nn.Module):
             applies, a float32 copy is processed, as vLLM does).
         sampling_metadata : vLLM ``SamplingMetadata``
             Seeded requests advance their generator by one draw per call.
+        lenience : Tensor [B] or None
+            Our extension, not a vLLM argument: per-request lenience in (0, 1], opt-in and NOT
+            exact (docs/ALGORITHM.md §8). None = exact.
 
         Returns
         -------
@@ -346,7 +353,8 @@ class RejectionSampler(nn.Module):
             seeds = request_seeds(getattr(sampling_metadata, "generators", None), batch, device)
         output_token_ids, _ = _specdec_rejection_sample(
             target_logits, draft_token_ids, cu, draft_probs, temperature, seeds, None, int(max_spec_len),
-            self.method, **request_filters(sampling_metadata, batch, device), validate=self.validate)
+            self.method, **request_filters(sampling_metadata, batch, device), validate=self.validate,
+            lenience=lenience)
         return output_token_ids
 
     @staticmethod

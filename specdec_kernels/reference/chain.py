@@ -23,6 +23,7 @@ def rejection_sample_reference(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    lenience: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain verification over a ragged batch; arguments as ``torch.ops.specdec.rejection_sample``.
 
@@ -30,7 +31,9 @@ def rejection_sample_reference(
     verifies the block jointly (Sun et al. 2024; docs/ALGORITHM.md §6) with the same streams.
     ``top_k`` / ``top_p`` / ``min_p`` ([B] or None) filter every target row of a random request
     by the sort-based definition of ``sampling_filters`` (docs/ALGORITHM.md §7) before anything
-    else: the filtered-out logits become -inf.
+    else: the filtered-out logits become -inf. ``lenience`` ([B] in (0, 1] or None; token method
+    only) relaxes the accept tests of docs/ALGORITHM.md §8: u l p(x) < q(x), the residual
+    max(0, q - l p), greedy p(x) >= l max p at T = 1; l = 1 is the exact op, bit for bit.
 
     Returns (output_token_ids [B, max_spec_len+1] int32, num_accepted [B] int32).
     Out-of-range row or draft indices (a malformed ``cu_num_draft_tokens``) read as rows with
@@ -43,6 +46,10 @@ def rejection_sample_reference(
     L = int(max_spec_len)
     if offsets is None:
         offsets = torch.zeros(B, dtype=torch.int64, device=device)
+    if lenience is not None and method != "token":
+        raise ValueError("lenience is not defined for method='block': pass lenience=None, or method='token'")
+    # The kernels read lenience as float32: the reference rounds it there too.
+    lam = None if lenience is None else lenience.to(device=device, dtype=torch.float32).to(compute_dtype)
     seeds = seeds.to(torch.int64)
     offsets = offsets.to(torch.int64)
 
@@ -89,8 +96,15 @@ def rejection_sample_reference(
         seeds[:, None], offsets[:, None], STREAM_ACCEPT, td[None, :] + 1, torch.zeros_like(td)[None, :]
     )
     u = uniform_from_word(a0, compute_dtype)
+    if lam is not None:
+        p_x = lam[:, None] * p_x  # u * (l p(x)) < q(x); l = 1 leaves p(x) as it is
     accept_random = u * p_x < q_x
     accept_greedy = x == argmax[:, :L]
+    if lam is not None:
+        # Lenient greedy (l < 1): also accept a draft whose logit is within ln(l) of the row max.
+        lx = torch.where(x_ok, logits[:, :L].gather(2, x_c[..., None]).squeeze(-1), float("-inf"))
+        near = (lx - row_max[:, :L, 0]) >= torch.log(lam)[:, None]
+        accept_greedy = accept_greedy | ((lam < 1)[:, None] & near)
     accept = torch.where(greedy[:, None], accept_greedy, accept_random) & x_ok
     num_accepted = accept.to(torch.int64).cumprod(-1).sum(-1) if L else torch.zeros(B, dtype=torch.int64, device=device)
     scale = torch.ones(B, dtype=compute_dtype, device=device)  # P_tau of block verification
@@ -109,6 +123,8 @@ def rejection_sample_reference(
     x_star = torch.where(rejected, x[b_idx, t_star.clamp(max=max(L - 1, 0))] if L else -1, -1)
     if draft_probs is not None:
         p_star = gather_rows(draft_probs, cu[:-1] + t_star).to(compute_dtype)
+        if lam is not None:
+            p_star = lam[:, None] * p_star  # the lenient residual max(0, q - l p)
         residual = torch.where(q_star > 0, (scale[:, None] * q_star - p_star).clamp(min=0), 0.0)
         residual = torch.nan_to_num(residual, nan=0.0)
         # An invalid draft id (e.g. -1 padding) ends the chain: nothing to subtract, sample q.

@@ -51,10 +51,13 @@ def tree_rejection_sample_reference(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    lenience: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tree verification over a ragged batch (docs/ALGORITHM.md §5); arguments as
     ``torch.ops.specdec.tree_rejection_sample``. The filters act on every node's row as in
-    ``rejection_sample_reference``.
+    ``rejection_sample_reference``; ``lenience`` ([B] or None) relaxes the walk's accept tests
+    (docs/ALGORITHM.md §8): u l p(c) mass < (q - a p)+(c) with a growing by l * mass per
+    rejection, u l (1 - q(E)) < q(c) for deterministic drafts, and the greedy near-max rule.
 
     Walks every request's tree from its root, all requests at once, one child test per step.
     Returns (output_token_ids [B, max_depth+1], accepted_nodes [B, max_depth+1],
@@ -76,11 +79,14 @@ def tree_rejection_sample_reference(
     temp = temperature.to(compute_dtype)
     greedy = ~(temp > 0)
     inv_temp = torch.where(greedy, 1.0, 1.0 / temp)
+    # The kernels read lenience as float32: the reference rounds it there too.
+    lam = None if lenience is None else lenience.to(device=device, dtype=torch.float32).to(compute_dtype)
     b_idx = torch.arange(B, device=device)
     lane = torch.arange(V, device=device)
 
     def targetgather_rows(nodes: torch.Tensor):
-        """(q [B, V], argmax [B]) of the given global nodes (-1: a row with no valid logit)."""
+        """(q [B, V], argmax [B], logits [B, V]) of the given global nodes (-1: a row with no
+        valid logit); the logits are sanitized and filtered (greedy rows: unfiltered)."""
         lg = sanitize_logits(gather_rows(target_logits, nodes).to(compute_dtype))
         lg.masked_fill_((nodes < 0)[:, None], float("-inf"))
         lg = apply_filters(lg, greedy, inv_temp, top_k, top_p, min_p)
@@ -88,7 +94,7 @@ def tree_rejection_sample_reference(
         shift = torch.where(row_max > float("-inf"), row_max, 0.0)
         q = (lg - shift).mul_(inv_temp[:, None]).exp_()
         q.div_(q.sum(-1, keepdim=True).clamp(min=torch.finfo(compute_dtype).tiny))
-        return q, first_argmax(lg)
+        return q, first_argmax(lg), lg
 
     # Walk state per request.
     has_root = n_nodes > 0
@@ -101,7 +107,7 @@ def tree_rejection_sample_reference(
     path = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
     out = torch.full((B, D + 1), -1, dtype=torch.int64, device=device)
     path[:, 0] = torch.where(has_root, 0, -1)
-    q, argmax = targetgather_rows(node)
+    q, argmax, lg = targetgather_rows(node)
     p = gather_rows(draft_probs, node).to(compute_dtype) if draft_probs is not None else None
 
     while bool((cand >= 0).any()):
@@ -118,16 +124,23 @@ def tree_rejection_sample_reference(
             p_x = p.gather(1, xc[:, None]).squeeze(1)
             mass = torch.where(a == 0, 1.0, (q - a[:, None] * p).clamp(min=0).sum(-1))
             r_x = (q_x - a * p_x).clamp(min=0)
-            accept_random = u * p_x * mass < r_x
+            lp_x = p_x if lam is None else lam * p_x
+            accept_random = u * lp_x * mass < r_x
         else:
             # r = q / (1 - q(E)) outside the rejected children E.
             free = 1.0 - torch.where(excluded, q, 0.0).sum(-1)
-            accept_random = (u * free < q_x) & ~excluded.gather(1, xc[:, None]).squeeze(1)
-        accept = x_ok & torch.where(greedy, x == argmax, accept_random)
+            ul = u if lam is None else u * lam
+            accept_random = (ul * free < q_x) & ~excluded.gather(1, xc[:, None]).squeeze(1)
+        accept_greedy = x == argmax
+        if lam is not None:
+            # Lenient greedy (l < 1): also a child whose logit is within ln(l) of the row max.
+            near = (lg.gather(1, xc[:, None]).squeeze(1) - lg.max(-1).values) >= torch.log(lam)
+            accept_greedy = accept_greedy | ((lam < 1) & near)
+        accept = x_ok & torch.where(greedy, accept_greedy, accept_random)
         rejected = testing & ~accept
         # Rejection: shrink the residual (invalid ids subtract nothing), move to the next sibling.
         if p is not None:
-            a = torch.where(rejected & x_ok & ~greedy, a + mass, a)
+            a = torch.where(rejected & x_ok & ~greedy, a + (mass if lam is None else lam * mass), a)
         else:
             excluded[b_idx[rejected & x_ok], xc[rejected & x_ok]] = True
         cand = torch.where(rejected, gather_rows(next_sibling, cand), cand)
@@ -141,8 +154,9 @@ def tree_rejection_sample_reference(
             cand = torch.where(accept, torch.where(depth >= D, -1, nxt), cand)
             a = torch.where(accept, 0.0, a)
             excluded[accept] = False
-            q_new, argmax_new = targetgather_rows(torch.where(accept, node, -1))
+            q_new, argmax_new, lg_new = targetgather_rows(torch.where(accept, node, -1))
             q = torch.where(accept[:, None], q_new, q)
+            lg = torch.where(accept[:, None], lg_new, lg)
             argmax = torch.where(accept, argmax_new, argmax)
             if p is not None:
                 p = torch.where(accept[:, None], gather_rows(draft_probs, node).to(compute_dtype), p)

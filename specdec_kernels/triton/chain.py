@@ -106,9 +106,10 @@ def _request_decision(
     b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, num_rows,
     vocab_size, max_spec_len, num_splits, seed, offset, k, greedy, thr_ptr,
     HAS_DRAFT_PROBS: tl.constexpr, ROWS_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr,
+    STREAM_ACCEPT: tl.constexpr, HAS_FILTERS: tl.constexpr, lam=1.0, HAS_LENIENCE: tl.constexpr = False,
 ):
     """Combine a request's phase-1 records and run its accept tests, all positions at once.
+    HAS_LENIENCE: the request's lenience ``lam`` relaxes them (docs/ALGORITHM.md §8).
 
     Returns (t_star, drafts, row_max, row_sum, argmax, ..., thr): t_star = accepted drafts;
     the per-row vectors are indexed by position (argmax is -1 for random requests); thr is
@@ -154,8 +155,14 @@ def _request_decision(
     u = uniform(a0)
     if greedy:
         accept = x_ok & (x == argmax)
+        if HAS_LENIENCE:
+            # Also a draft within ln(l) of the row max (l < 1; l = 1 is the exact rule).
+            accept = accept | (x_ok & (lx - row_max >= tl.where(lam < 1.0, tl.log(lam), float("inf"))))
     else:
-        accept = x_ok & (u * p_x < q_x)
+        if HAS_LENIENCE:
+            accept = x_ok & (u * (lam * p_x) < q_x)
+        else:
+            accept = x_ok & (u * p_x < q_x)
     t_star = tl.min(tl.where(is_draft & (accept == 0), t, n), 0)
     return t_star, x, row_max, row_sum, argmax, q_x, p_x, u, x_ok, thr
 
@@ -223,7 +230,7 @@ def _rejection_sample_kernel(
     draft_ids_ptr, num_drafts,
     cu_ptr,
     draft_probs_ptr, draft_probs_row_stride,
-    temperature_ptr, seeds_ptr, offsets_ptr,
+    temperature_ptr, seeds_ptr, offsets_ptr, lenience_ptr,
     out_tokens_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr, table_m_ptr, table_w_ptr, table_r_ptr, residual_sum_ptr,
     counter_ptr,
@@ -239,6 +246,7 @@ def _rejection_sample_kernel(
     HAS_FILTERS: tl.constexpr, UNIFORM: tl.constexpr, USE_PDL: tl.constexpr,
     ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     FAST_EXP: tl.constexpr = False,  # unfiltered calls only (the launcher's rule)
+    HAS_LENIENCE: tl.constexpr = False,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -303,6 +311,9 @@ def _rejection_sample_kernel(
         offset = tl.load(offsets_ptr + b).to(tl.int64)
     else:
         offset = tl.zeros([], tl.int64)
+    lam = tl.full([], 1.0, tl.float32)
+    if HAS_LENIENCE:
+        lam = tl.load(lenience_ptr + b)
 
     if is_phase1:
         # Chunk tables are per (request, position) slot, not per row: a unit that streamed a
@@ -373,7 +384,7 @@ def _rejection_sample_kernel(
                         b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr,
                         rec_px_ptr, num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
                         k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
-                        STREAM_ACCEPT, HAS_FILTERS)
+                        STREAM_ACCEPT, HAS_FILTERS, lam, HAS_LENIENCE)
                     rows = tl.arange(0, ROWS_PAD)
                     if BLOCK_VERIFY:
                         if not greedy:
@@ -414,7 +425,7 @@ def _rejection_sample_kernel(
             b, n, cu_lo, draft_ids_ptr, num_drafts, rec_m_ptr, rec_s_ptr, rec_am_ptr, rec_lx_ptr, rec_px_ptr,
             num_rows, vocab_size, max_spec_len, num_splits, seed, offset,
             k, greedy, thr_ptr, HAS_DRAFT_PROBS, ROWS_PAD, SPLITS_PAD,
-            STREAM_ACCEPT, HAS_FILTERS)
+            STREAM_ACCEPT, HAS_FILTERS, lam, HAS_LENIENCE)
         rows = tl.arange(0, ROWS_PAD)
         if BLOCK_VERIFY:
             # Every draft row r < n' gets its residual max(0, P_r q_r - p_r): its mass R_r and
@@ -431,6 +442,11 @@ def _rejection_sample_kernel(
             does_work = (not greedy) & (t_star < n) & (x_star >= 0) & (x_star < vocab_size)
         m_w = _pick(row_max, rows, work_row)
         s_w = _pick(row_sum, rows, work_row)
+        if HAS_LENIENCE:
+            # The lenient residual max(0, q - l p) = l max(0, q / l - p): the same law, with l
+            # folded into q's normalizer (the race and the inverse CDF are scale-free), so the
+            # residual loop is the exact call's (token method only: block rejects lenience).
+            s_w = s_w * lam
         thr_w = _pick(thr, rows, work_row)
         row = cu_lo + b + work_row
         row_ok = (row >= 0) & (row < num_rows)
@@ -543,14 +559,18 @@ def rejection_sample_triton(
     min_p: torch.Tensor | None = None,
     config: _config.VerifyConfig | None = None,
     filter_config: _config.FilterConfig | None = None,
+    lenience: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel (after the threshold pass of ``filters`` when a filter is given).
     Inputs are assumed validated (``specdec_kernels._ops``); the vocabulary dim of
     ``target_logits`` and ``draft_probs`` must be contiguous. ``config`` / ``filter_config``:
-    launch parameters (None = ``config.active()``)."""
+    launch parameters (None = ``config.active()``). ``lenience``: float32 [B] or None (exact;
+    the kernel is then compiled without it)."""
     cfg = config or _config.active()[0]
     if method not in ("token", "block"):
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
+    if lenience is not None and method != "token":
+        raise ValueError("lenience is not defined for method='block': pass lenience=None, or method='token'")
     device = target_logits.device
     R, V = target_logits.shape
     B = cu_num_draft_tokens.shape[0] - 1
@@ -609,6 +629,7 @@ def rejection_sample_triton(
         temperature if temperature is not None else seeds,
         seeds,
         offsets if offsets is not None else seeds,
+        lenience if lenience is not None else seeds,
         out_tokens, num_accepted,
         rec_m, rec_s, i32, rec_lx, rec_px, table_m, table_w, table_r, residual_sum, counters,
         *filt,
@@ -635,6 +656,7 @@ def rejection_sample_triton(
         ASM_TABLE=asm_table_enabled(device, cfg.asm_table),
         PREFETCH=prefetch_tiles(device, target_logits.dtype, cfg.prefetch),
         FAST_EXP=not has_filters,
+        HAS_LENIENCE=lenience is not None,
         num_warps=cfg.num_warps,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg > 0 and not has_filters else {}),

@@ -205,7 +205,7 @@ def _tree_final_token(
 def _tree_rejection_sample_kernel(
     logits_ptr, logits_row_stride, tokens_ptr, parents_ptr, cu_ptr,
     draft_probs_ptr, draft_probs_row_stride,
-    temperature_ptr, seeds_ptr, offsets_ptr,
+    temperature_ptr, seeds_ptr, offsets_ptr, lenience_ptr,
     out_tokens_ptr, out_nodes_ptr, out_num_accepted_ptr,
     rec_m_ptr, rec_s_ptr, rec_am_ptr, table_m_ptr, table_w_ptr, table_r_ptr, counter_ptr,
     thr_ptr, cmax_ptr, kept_w_ptr, kept_m_ptr, kept_z_ptr,
@@ -218,6 +218,7 @@ def _tree_rejection_sample_kernel(
     HAS_FILTERS: tl.constexpr,
     ASM_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     FAST_EXP: tl.constexpr = False,  # unfiltered calls only (the launcher's rule)
+    HAS_LENIENCE: tl.constexpr = False,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -296,7 +297,10 @@ def _tree_rejection_sample_kernel(
             finalize = done == n * num_splits
         if finalize:
             tl.debug_barrier()
-            # The walk (docs/ALGORITHM.md §5), from the root.
+            # The walk (docs/ALGORITHM.md §5), from the root; lenient requests relax its tests (§8).
+            lam = tl.full([], 1.0, tl.float32)
+            if HAS_LENIENCE:
+                lam = tl.load(lenience_ptr + b)
             v = tl.zeros([], tl.int64)
             depth = tl.zeros([], tl.int32)
             out_tok = tl.full([DEPTH_PAD], -1, tl.int64)
@@ -320,16 +324,25 @@ def _tree_rejection_sample_kernel(
                 dup = x < -1
                 if greedy:
                     accept = x_ok & (x == argmax)
+                    if HAS_LENIENCE:
+                        # Also a child within ln(l) of the row max (l < 1; l = 1 is the exact rule).
+                        accept = accept | (x_ok & (lx - row_max >= tl.where(lam < 1.0, tl.log(lam), float("inf"))))
                 else:
                     if HAS_DRAFT_PROBS:
                         p_x = tl.load(draft_probs_ptr + vrow * draft_probs_row_stride + x, mask=x_ok,
                                       other=0.0).to(tl.float32)
-                        accept = x_ok & (u * p_x * mass < tl.maximum(q_x - a * p_x, 0.0))
+                        if HAS_LENIENCE:
+                            accept = x_ok & (u * (lam * p_x) * mass < tl.maximum(q_x - a * p_x, 0.0))
+                        else:
+                            accept = x_ok & (u * p_x * mass < tl.maximum(q_x - a * p_x, 0.0))
                     else:
                         # A repeated sibling token was already rejected: its residual mass is 0.
                         dup = tl.sum(_is_child_token(tl.zeros([1], tl.int64) + x, tokens_ptr, parents_ptr, cu_lo,
                                                      cand, v, vocab_size, NODE_BLOCK).to(tl.int32), 0) > 0
-                        accept = x_ok & (not dup) & (u * (1.0 - q_out) < q_x)
+                        if HAS_LENIENCE:
+                            accept = x_ok & (not dup) & (u * lam * (1.0 - q_out) < q_x)
+                        else:
+                            accept = x_ok & (not dup) & (u * (1.0 - q_out) < q_x)
                 if accept:
                     out_tok = tl.where(depth_lanes == depth, x, out_tok)
                     depth += 1
@@ -345,7 +358,10 @@ def _tree_rejection_sample_kernel(
                 else:
                     if x_ok & (not greedy):
                         if HAS_DRAFT_PROBS:
-                            a = a + mass
+                            if HAS_LENIENCE:
+                                a = a + lam * mass  # the residual loses l p_v per rejection
+                            else:
+                                a = a + mass
                             mass = _residual_mass(logits_ptr + vrow * logits_row_stride,
                                                   draft_probs_ptr + vrow * draft_probs_row_stride, vocab_size,
                                                   row_max, row_sum, k, a, thr, GROUP * CHUNK, HAS_FILTERS)
@@ -394,10 +410,12 @@ def tree_rejection_sample_triton(
     min_p: torch.Tensor | None = None,
     config: _config.VerifyConfig | None = None,
     filter_config: _config.FilterConfig | None = None,
+    lenience: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the fused tree kernel (after the threshold pass of ``filters`` when a filter is
     given) on validated inputs (unit stride along the vocabulary). ``config`` /
-    ``filter_config``: launch parameters (None = ``config.active()``)."""
+    ``filter_config``: launch parameters (None = ``config.active()``). ``lenience``: float32 [B]
+    or None (exact; the kernel is then compiled without it)."""
     cfg = config or _config.active()[0]
     device = target_logits.device
     N, V = target_logits.shape
@@ -438,6 +456,7 @@ def tree_rejection_sample_triton(
         draft_probs.stride(0) if has_draft_probs else 0,
         temperature if temperature is not None else seeds, seeds,
         offsets if offsets is not None else seeds,
+        lenience if lenience is not None else seeds,
         out_tokens, out_nodes, num_accepted,
         rec_m, rec_s, i32, table_m, table_w, table_r, counters,
         *filt,
@@ -454,6 +473,7 @@ def tree_rejection_sample_triton(
         ASM_TABLE=asm_table_enabled(device, cfg.asm_table),
         PREFETCH=prefetch_tiles(device, target_logits.dtype, cfg.prefetch),
         FAST_EXP=not has_filters,
+        HAS_LENIENCE=lenience is not None,
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg > 0 and not has_filters else {}),
     )
