@@ -1014,8 +1014,6 @@ def test_cuda_kernel_op_runs_filters_and_auto_uses_it():
     for backend in ("auto", "cuda"):
         got = specdec_kernels.rejection_sample(*args, "token", *filters, backend=backend)
         assert torch.equal(got[0], op_out[0]) and torch.equal(got[1], op_out[1])
-    plain = specdec_kernels.rejection_sample(*args)  # no filters: the CUDA kernel as before
-    assert plain[0].shape == auto[0].shape
 
 
 # --- GPU: CUDA graphs and back-to-back launches with filters --------------------------------------------
