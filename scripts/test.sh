@@ -7,7 +7,7 @@ usage() {
 usage: bash scripts/test.sh [--all] [PYTEST ARGS...]
 
   (default)  the default tier: pytest -m "not slow and not model and not distributed and not compile"
-             (~5 min on a 2-core CPU): the op's contract (opcheck, fake kernels, errors), the
+             (~7 min on a 2-core CPU): the op's contract (opcheck, fake kernels, errors), the
              exactness tests (chi-square fits and their negative controls, theory of tokens per
              step) at sizes that can fail, backend agreement with Triton in its interpreter,
              tree utilities, filters, the vLLM adapter; the GPU tests where there is a GPU.
