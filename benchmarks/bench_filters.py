@@ -11,7 +11,8 @@ inputs: bench_rejection_sample.make_inputs, random logits N(0, 2^2) unless --sca
 - ``sort+triton k50 p0.9``: what vLLM does -- fp32 logits / T, ``torch.sort`` of every row,
   softmax, ``cumsum``, mask, scatter back (vLLM's ``apply_top_k_top_p``) -- then the
   unfiltered Triton call on the masked fp32 logits; ``sort only`` is that filtering step alone;
-- ``cuda``: the CUDA C++ kernel without filters, when built (it has no filters).
+- ``cuda`` / ``auto``: the CUDA C++ kernel, when built, without and with each filter setting
+  (its own threshold pass, sm_90+); ``--backends`` picks which backends run.
 
 ``--breakdown`` prints each setting's GPU time per kernel (the threshold pass's stats stream and
 search, the verification kernel); ``--profile-one SETTING`` runs only that call (for ncu).

@@ -5,12 +5,12 @@
 //   CPU kernel (the reference), Meta/fake, and the Triton kernels on CUDA: from Python
 //   (specdec_kernels/_ops.py);
 // - the fused CUDA kernels, when the extension is built with CUDA: the torch bindings in
-//   csrc/bindings/ (chain_cuda.cu, tree_cuda.cu), with TORCH_LIBRARY_IMPL blocks only.
+//   csrc/bindings/ (chain_cuda.cu, tree_cuda.cu, filters_cuda.cu), with TORCH_LIBRARY_IMPL blocks only.
 // A schema whose kernel exists only in some builds (the CUDA bindings' private ops, the profiling
 // build's trace) is still defined in every build: calling it where the kernel is missing raises
 // torch's own "could not run ... with arguments from the ... backend" error. Code that needs to
 // know whether a kernel exists asks the dispatcher (torch._C._dispatch_has_kernel_for_dispatch_key,
-// as specdec_kernels/ops.py does), not hasattr(torch.ops.specdec, name).
+// as specdec_kernels/_ops.py does), not hasattr(torch.ops.specdec, name).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -26,7 +26,7 @@ TORCH_LIBRARY(specdec, m) {
   // ---------------------------------------------------------------------------- public ops
 
   // Chain verification. CPU: the fused C++ kernel (cpu/chain_cpu.cpp); CUDA: the fused CUDA kernel
-  // (bindings/chain_cuda.cu) when built, else the Triton kernel (specdec_kernels/ops.py).
+  // (bindings/chain_cuda.cu) when built, else the Triton kernel (specdec_kernels/_ops.py).
   m.def(
       "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
@@ -41,13 +41,13 @@ TORCH_LIBRARY(specdec, m) {
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 
   // ------------------------------------------------------------------------- private ops
-  // Called by the Python API (specdec_kernels/chain.py, tree.py, ops.py), tests and benchmarks
+  // Called by the Python API (specdec_kernels/chain.py, tree.py, _ops.py), tests and benchmarks
   // only; each is one op rather than a Python call so that torch.compile(fullgraph=True) and
   // CUDA graphs see one opaque call.
 
   // Twins of the public ops that always run the Triton kernel on CUDA tensors (the reference on
-  // CPU tensors): what backend "auto" calls for work the CUDA C++ kernel does not do itself
-  // (sampling filters). Kernels and fakes: specdec_kernels/ops.py; callers: chain.py, tree.py.
+  // CPU tensors): backend "triton", and what "auto" calls for sampling filters on GPUs older
+  // than sm_90. Kernels and fakes: specdec_kernels/_ops.py; callers: chain.py, tree.py.
   m.def(
       "_rejection_sample_triton(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
@@ -75,7 +75,7 @@ TORCH_LIBRARY(specdec, m) {
 
   // The CUDA chain / tree kernels given the threshold pass's per-row thresholds (and, chain, its
   // record of the rows verified from their kept set). CUDA kernels: bindings/chain_cuda.cu,
-  // tree_cuda.cu; fakes: specdec_kernels/ops.py; caller: the _cuda_filters ops above.
+  // tree_cuda.cu; fakes: specdec_kernels/_ops.py; caller: the _cuda_filters ops above.
   m.def(
       "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
