@@ -48,8 +48,8 @@ def pointer_type(module, name: str, logits_type: str, probs_type: str) -> str:
         return probs_type
     if name.startswith(("seeds", "offsets", "draft_ids", "tokens")):
         return "*i64"
-    if name.startswith(("temperature", "top_p", "min_p", "rec_m", "rec_s", "table", "residual_sum", "thr", "cmax",
-                        "buf", "kept")):
+    if name.startswith(("temperature", "top_p", "min_p", "lenience", "rec_m", "rec_s", "table", "residual_sum",
+                        "thr", "cmax", "buf", "kept")):
         return "*fp32"
     return "*i32"
 
