@@ -80,7 +80,8 @@ def main(argv=None) -> int:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     first = rows[0]
-    fig.suptitle(f"lenience: speed against quality (T = {first['temperature']}, K = {first['K']}, "
+    k_text = f"K = {first['K']}, " if first.get("K") else "K per drafter, "
+    fig.suptitle(f"lenience: speed against quality (T = {first['temperature']}, {k_text}"
                  f"{first['prompts']} prompts x {first['max_new_tokens']} tokens, commit {first['commit']})", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
