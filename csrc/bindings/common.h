@@ -194,17 +194,9 @@ inline int64_t units_per_slot_override() {
   return override_value;
 }
 
-// Programmatic dependent launch (docs/DECISIONS.md#cuda-pdl): on sm_90 and newer the kernels are
-// launched so that their CTAs become resident while the previous kernel in the stream drains; they
-// execute griddepcontrol.wait before reading or writing any memory, so ordering is that of a plain
-// launch. SPECDEC_CUDA_PDL=0 turns it off (read once per process); older cards never use it. The
-// capability is cached per device.
-inline bool pdl_enabled(int device_index) {
-  static const bool allowed = [] {
-    const char* env = std::getenv("SPECDEC_CUDA_PDL");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  if (!allowed) return false;
+// Whether a device has compute capability 9.0 or newer (programmatic dependent launch,
+// thread-block clusters); read once per device.
+inline bool sm90_or_newer(int device_index) {
   static std::mutex mutex;
   static std::vector<int8_t> cache;  // 0 unknown, 1 no, 2 yes
   std::lock_guard<std::mutex> lock(mutex);
@@ -216,6 +208,18 @@ inline bool pdl_enabled(int device_index) {
     cache[index] = major >= 9 ? 2 : 1;
   }
   return cache[index] == 2;
+}
+
+// Programmatic dependent launch (docs/DECISIONS.md#cuda-pdl): on sm_90 and newer the kernels are
+// launched so that their CTAs become resident while the previous kernel in the stream drains; they
+// execute griddepcontrol.wait before reading or writing any memory, so ordering is that of a plain
+// launch. SPECDEC_CUDA_PDL=0 turns it off (read once per process); older cards never use it.
+inline bool pdl_enabled(int device_index) {
+  static const bool allowed = [] {
+    const char* env = std::getenv("SPECDEC_CUDA_PDL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return allowed && sm90_or_newer(device_index);
 }
 
 }  // namespace specdec::binding

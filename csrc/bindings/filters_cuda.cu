@@ -10,10 +10,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 #include "kernels/row_threshold.cuh"
 #include "bindings/common.h"
@@ -23,22 +21,6 @@ namespace {
 namespace binding = specdec::binding;
 
 constexpr const char* kOp = "specdec sampling filters (cuda)";
-
-// Thread-block clusters (the pass's one cluster per row) need compute capability 9.0; cached per
-// device.
-bool clusters_supported(int device_index) {
-  static std::mutex mutex;
-  static std::vector<int8_t> cache;  // 0 unknown, 1 no, 2 yes
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto index = static_cast<size_t>(device_index);
-  if (cache.size() <= index) cache.resize(index + 1, 0);
-  if (cache[index] == 0) {
-    int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_index));
-    cache[index] = major >= 9 ? 2 : 1;
-  }
-  return cache[index] == 2;
-}
 
 // A per-request filter vector [B] on the logits' device; floating ones are read as float32.
 at::Tensor request_vector(const char* name, const at::Tensor& t, int64_t num_requests, const at::Device& device,
@@ -69,7 +51,8 @@ at::Tensor row_thresholds_cuda(const at::Tensor& target_logits, const at::Tensor
   TORCH_CHECK(target_logits.is_cuda(), kOp, ": target_logits must be a CUDA tensor, got one on ",
               target_logits.device());
   const at::Device device = target_logits.device();
-  TORCH_CHECK(clusters_supported(device.index()), kOp,
+  // Thread-block clusters (one per row) need compute capability 9.0.
+  TORCH_CHECK(binding::sm90_or_newer(device.index()), kOp,
               ": the CUDA threshold pass needs compute capability 9.0 or newer (thread-block clusters); "
               "use backend='triton' for sampling filters on this GPU");
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, kOp, ": the cumulative offsets must be 1-D with B + 1 >= 1 entries");
