@@ -89,12 +89,11 @@ TORCH_LIBRARY(specdec, m) {
 
   // The sampling filters' threshold pass of the CUDA kernels (sm_90+): per slot (chain: request b's row
   // t at b * max_rows + t; tree: each node row) the threshold logit, -inf where nothing is
-  // filtered. ctas_per_row: 1 or 8 forces a layout of the pass, 0 lets the binding pick. CUDA kernel:
-  // bindings/filters_cuda.cu, which also implements the _cuda_filters ops above with it; callers:
-  // those ops, python_tests/test_filters.py.
+  // filtered. CUDA kernel: bindings/filters_cuda.cu, which also implements the _cuda_filters ops
+  // above with it; callers: those ops, python_tests/test_filters.py.
   m.def(
       "_row_thresholds_cuda(Tensor target_logits, Tensor cu, Tensor? temperature, Tensor? top_k, Tensor? top_p, "
-      "Tensor? min_p, bool tree, int max_rows, int ctas_per_row=0) -> Tensor");
+      "Tensor? min_p, bool tree, int max_rows) -> Tensor");
 
   // The CUDA kernels' host plans for given sizes, computed without a GPU (tensor-free, so their
   // kernels are registered for CompositeImplicitAutograd: bindings/chain_cuda.cu, tree_cuda.cu;

@@ -804,9 +804,6 @@ def _near_tie(row: torch.Tensor, temperature: float, top_p: float) -> bool:
 # at 0, top-k near V, ties, -inf and NaN blocks, tiny and odd vocabularies.
 THRESHOLD_VOCABS = [1, 7, 700, 8193, 32000, 128256, 151936]
 THRESHOLD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# The pass's two layouts (ctas_per_row): a cluster of 8 CTAs per row (the row in shared memory) and
-# one CTA per row (the row read from global memory); the binding picks by the number of rows.
-THRESHOLD_LAYOUTS = [8, 1]
 
 
 def _threshold_case(vocab: int, seed: int):
@@ -830,8 +827,7 @@ def _threshold_case(vocab: int, seed: int):
 @NEEDS_CUDA_FILTERS
 @pytest.mark.parametrize("vocab", THRESHOLD_VOCABS)
 @pytest.mark.parametrize("dtype", THRESHOLD_DTYPES)
-@pytest.mark.parametrize("layout", THRESHOLD_LAYOUTS)
-def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype, layout):
+def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype):
     """_row_thresholds_cuda on a ragged chain batch (and the same rows as tree nodes): every
     filtered row keeps exactly the sort-based set (filter_keep_mask, float64), except a top-p
     crossing within float rounding of p; -inf for greedy requests, unfiltered ones and padding."""
@@ -842,10 +838,10 @@ def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype, layou
     wide = torch.full((logits.shape[0], vocab + 3), float("nan"), dtype=dtype)
     wide[:, :vocab] = logits
     dev = [t.cuda() for t in (cu, temperature, top_k, top_p, min_p)]
-    thr = torch.ops.specdec._row_thresholds_cuda(wide.cuda()[:, :vocab], dev[0], *dev[1:], False, L, layout).cpu()
+    thr = torch.ops.specdec._row_thresholds_cuda(wide.cuda()[:, :vocab], dev[0], *dev[1:], False, L).cpu()
     # The same rows as tree nodes: request b's nodes are its chain rows.
     cu_nodes = (cu + torch.arange(B + 1, dtype=torch.int32)).cuda()
-    tree_thr = torch.ops.specdec._row_thresholds_cuda(logits.cuda(), cu_nodes, *dev[1:], True, 1, layout).cpu()
+    tree_thr = torch.ops.specdec._row_thresholds_cuda(logits.cuda(), cu_nodes, *dev[1:], True, 1).cpu()
     ties = 0
     for b in range(B):
         for t in range(L):
@@ -871,8 +867,7 @@ def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype, layou
 @pytest.mark.gpu
 @NEEDS_CUDA_FILTERS
 @pytest.mark.parametrize("vocab", [32000, 128256])
-@pytest.mark.parametrize("layout", THRESHOLD_LAYOUTS)
-def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab, layout):
+def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab):
     """Top-p alone on flat rows (random logits, temperature 0.8 .. 4, p from 0.05 to 0.9999): the
     case a counting search needs the most passes for."""
     g = torch.Generator().manual_seed(1)
@@ -882,7 +877,7 @@ def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab, layout):
     top_p = torch.tensor([0.05, 0.5, 0.9, 0.99, 0.9999, 0.999999, 0.7, 0.95] * (B // 8))
     cu = torch.zeros(B + 1, dtype=torch.int32)
     thr = torch.ops.specdec._row_thresholds_cuda(logits.cuda(), cu.cuda(), temperature.cuda(), None, top_p.cuda(),
-                                                 None, False, 1, layout).cpu()
+                                                 None, False, 1).cpu()
     exact = 0
     for b in range(B):
         keep = filter_keep_mask(logits[b].double(), 1 / temperature[b].double(), None, top_p[b].double(), None)
@@ -898,24 +893,17 @@ def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab, layout):
 
 @pytest.mark.gpu
 @NEEDS_CUDA_FILTERS
-@pytest.mark.parametrize("layout", THRESHOLD_LAYOUTS)
-def test_gpu_cuda_threshold_pass_is_deterministic(layout):
-    """Integer sums: the same thresholds bit for bit on every run, and in both layouts."""
+def test_gpu_cuda_threshold_pass_is_deterministic():
+    """Integer sums: the same thresholds bit for bit on every run."""
     logits = torch.randn(40, 128256, device="cuda") * 3
     cu = torch.zeros(41, dtype=torch.int32, device="cuda")
     temp = torch.full((40,), 0.8, device="cuda")
     top_p = torch.linspace(0.1, 0.999, 40, device="cuda")
     top_k = torch.tensor([0, 5000] * 20, dtype=torch.int32, device="cuda")
-    first = torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1, layout)
+    first = torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1)
     for _ in range(5):
-        assert torch.equal(torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1,
-                                                                  layout), first)
-    # The layouts sum the same integers: the same thresholds.
-    other = THRESHOLD_LAYOUTS[1 - THRESHOLD_LAYOUTS.index(layout)]
-    assert torch.equal(torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1, other),
-                       first)
-    with pytest.raises(RuntimeError, match="ctas_per_row must be 0"):
-        torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1, 4)
+        assert torch.equal(torch.ops.specdec._row_thresholds_cuda(logits, cu, temp, top_k, top_p, None, False, 1),
+                           first)
 
 
 @pytest.mark.gpu

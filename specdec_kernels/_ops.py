@@ -198,8 +198,7 @@ for _name, (_fake, _cpu, _cuda) in {
 
 
 @torch.library.register_fake("specdec::_row_thresholds_cuda")
-def _row_thresholds_cuda_fake(target_logits, cu, temperature, top_k, top_p, min_p, tree, max_rows,
-                               ctas_per_row=0):
+def _row_thresholds_cuda_fake(target_logits, cu, temperature, top_k, top_p, min_p, tree, max_rows):
     slots = target_logits.shape[0] if tree else (cu.shape[0] - 1) * max_rows
     return target_logits.new_empty((slots,), dtype=torch.float32)
 

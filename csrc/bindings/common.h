@@ -210,21 +210,6 @@ inline bool sm90_or_newer(int device_index) {
   return cache[index] == 2;
 }
 
-// The device's SM count (cached per device).
-inline int sm_count(int device_index) {
-  static std::mutex mutex;
-  static std::vector<int> cache;  // 0 unknown
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto index = static_cast<size_t>(device_index);
-  if (cache.size() <= index) cache.resize(index + 1, 0);
-  if (cache[index] == 0) {
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
-    cache[index] = sms > 0 ? sms : 1;
-  }
-  return cache[index];
-}
-
 // Programmatic dependent launch (docs/DECISIONS.md#cuda-pdl): on sm_90 and newer the kernels are
 // launched so that their CTAs become resident while the previous kernel in the stream drains; they
 // execute griddepcontrol.wait before reading or writing any memory, so ordering is that of a plain

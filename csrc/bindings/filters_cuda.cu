@@ -10,7 +10,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -39,27 +38,13 @@ at::Tensor request_vector(const char* name, const at::Tensor& t, int64_t num_req
   return t.to(at::kFloat).contiguous();
 }
 
-// CTAs per row of the threshold pass (docs/DECISIONS.md#cuda-threshold-layout): a cluster per row
-// while the clusters of all rows fit the GPU at once, so that one row's latency is spread over
-// kThrCluster SMs; one CTA per row beyond, where the rows fill the SMs by themselves and clusters
-// would queue. SPECDEC_CUDA_THR_CTAS=1 or 8 overrides (read once per process; benchmarks).
-int threshold_layout(int64_t slots, int device_index) {
-  static const int forced = [] {
-    const char* env = std::getenv("SPECDEC_CUDA_THR_CTAS");
-    const int v = env != nullptr ? std::atoi(env) : 0;
-    return v == 1 || v == specdec::kThrCluster ? v : 0;
-  }();
-  if (forced != 0) return forced;
-  return slots * specdec::kThrCluster <= binding::sm_count(device_index) ? specdec::kThrCluster : 1;
-}
-
 // The threshold logit of every slot: chain (tree = false): slot b * max_rows + t for request b's
 // row t (max_rows = max_spec_len + 1); tree: one slot per node row. -inf where nothing is
 // filtered (greedy requests, requests without a filter on, rows past a request's drafts).
 at::Tensor row_thresholds_cuda(const at::Tensor& target_logits, const at::Tensor& cu,
                                const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& top_k,
                                const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,
-                               bool tree, int64_t max_rows, int64_t ctas_per_row) {
+                               bool tree, int64_t max_rows) {
   TORCH_CHECK(target_logits.dim() == 2, kOp, ": target_logits must be 2-D, got shape ", target_logits.sizes());
   TORCH_CHECK(binding::is_logit_dtype(target_logits.scalar_type()), kOp,
               ": target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
@@ -74,8 +59,6 @@ at::Tensor row_thresholds_cuda(const at::Tensor& target_logits, const at::Tensor
   TORCH_CHECK(binding::is_index_dtype(cu.scalar_type()), kOp, ": the cumulative offsets must be int32 or int64");
   binding::check_device(kOp, "cu", cu, device);
   TORCH_CHECK(tree || max_rows >= 1, kOp, ": max_rows must be >= 1, got ", max_rows);
-  TORCH_CHECK(ctas_per_row == 0 || ctas_per_row == 1 || ctas_per_row == specdec::kThrCluster, kOp,
-              ": ctas_per_row must be 0 (pick), 1 or ", specdec::kThrCluster, ", got ", ctas_per_row);
   const int64_t num_requests = cu.size(0) - 1;
   const int64_t num_rows = target_logits.size(0);
   const int64_t vocab = target_logits.size(1);
@@ -113,13 +96,12 @@ at::Tensor row_thresholds_cuda(const at::Tensor& target_logits, const at::Tensor
   params.slice = (per_cta + specdec::kThrSliceAlign - 1) / specdec::kThrSliceAlign * specdec::kThrSliceAlign;
   params.thresholds = thresholds.data_ptr<float>();
 
-  const int layout = static_cast<int>(ctas_per_row != 0 ? ctas_per_row : threshold_layout(slots, device.index()));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   cudaError_t err;
   switch (logits.scalar_type()) {
-    case at::kFloat: err = specdec::launch_row_thresholds<float>(params, slots, layout, stream); break;
-    case at::kBFloat16: err = specdec::launch_row_thresholds<__nv_bfloat16>(params, slots, layout, stream); break;
-    default: err = specdec::launch_row_thresholds<__half>(params, slots, layout, stream); break;
+    case at::kFloat: err = specdec::launch_row_thresholds<float>(params, slots, stream); break;
+    case at::kBFloat16: err = specdec::launch_row_thresholds<__nv_bfloat16>(params, slots, stream); break;
+    default: err = specdec::launch_row_thresholds<__half>(params, slots, stream); break;
   }
   C10_CUDA_CHECK(err);
   return thresholds;
@@ -137,7 +119,7 @@ ChainResult rejection_sample_cuda_filters(const at::Tensor& target_logits, const
                                           const OptTensor& top_p, const OptTensor& min_p, const OptTensor& lenience) {
   TORCH_CHECK(max_spec_len >= 0, kOp, ": max_spec_len must be >= 0, got ", max_spec_len);
   const at::Tensor thresholds =
-      row_thresholds_cuda(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, false, max_spec_len + 1, 0);
+      row_thresholds_cuda(target_logits, cu_num_draft_tokens, temperature, top_k, top_p, min_p, false, max_spec_len + 1);
   static const auto filtered =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("specdec::_rejection_sample_cuda_filtered", "")
@@ -157,7 +139,7 @@ TreeResult tree_rejection_sample_cuda_filters(const at::Tensor& target_logits, c
                                               const OptTensor& top_k, const OptTensor& top_p, const OptTensor& min_p,
                                               const OptTensor& lenience) {
   const at::Tensor thresholds =
-      row_thresholds_cuda(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p, true, 1, 0);
+      row_thresholds_cuda(target_logits, cu_num_nodes, temperature, top_k, top_p, min_p, true, 1);
   static const auto filtered =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("specdec::_tree_rejection_sample_cuda_filtered", "")

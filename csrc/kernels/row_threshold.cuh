@@ -1,11 +1,8 @@
 // The sampling filters' threshold pass on CUDA (docs/ALGORITHM.md §7): per target row of a
 // filtered request, the threshold logit t such that the row keeps exactly the logits >= t
-// (top-k, then top-p on what top-k kept, then min-p; t = max of the three). Two layouts, the same
-// search: a cluster of kThrCluster CTAs per row, which reads the row from global memory once into
-// the CTAs' shared memory and runs every later pass there (few rows: the latency of one row is
-// spread over 8 SMs), or one CTA per row, whose passes read the row from L2 / global memory with
-// 16-byte loads (many rows: no cluster barriers, no distributed shared memory, every SM busy). The
-// binding picks the layout (bindings/filters_cuda.cu, docs/DECISIONS.md#cuda-threshold-layout). No sort:
+// (top-k, then top-p on what top-k kept, then min-p; t = max of the three). One cluster of
+// kThrCluster CTAs per row; the row is read from global memory once, into the CTAs' shared
+// memory, and every later pass runs there. No sort:
 //
 // - the row max M: each CTA's max, combined through distributed shared memory;
 // - top-k / top-p: a radix select of the k-th largest value (by count) and of the largest value v
@@ -41,8 +38,10 @@ constexpr int kThrWarps = kThrThreads / 32;
 constexpr int kThrCluster = 8;  // CTAs per row: the portable cluster size
 constexpr int kThrBins = kThrThreads;
 constexpr int kThrDigitBits = 9;  // log2(kThrBins): a sub-level's digit
+constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
 constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
+constexpr int kThrListCap = 2048;  // entries of a CTA's short list after level 0
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
 
 struct RowThresholdParams {
@@ -60,8 +59,8 @@ struct RowThresholdParams {
   int64_t vocab;
   int64_t max_rows;  // chain: max_spec_len + 1 rows per request (slot = b * max_rows + t)
   bool tree;         // tree: slot = node row
-  bool vectorized;   // rows 16-byte aligned: they load as 16-byte vectors
-  int64_t slice;     // clusters: entries per CTA, ceil(vocab / kThrCluster) rounded up to kThrSliceAlign
+  bool vectorized;   // rows 16-byte aligned: slices load as 16-byte vectors
+  int64_t slice;     // entries per CTA: ceil(vocab / kThrCluster) rounded up to kThrSliceAlign
   float* thresholds;  // [slots]: the threshold logit, -inf for rows that are not filtered
 };
 
@@ -104,20 +103,16 @@ __device__ __forceinline__ unsigned long long mass_of(float x, float row_max, fl
   return __float2ull_rn(exp2f((x - row_max) * k) * kThrMassUnit);
 }
 
-template <int kCluster>
 struct Shared {
-  static constexpr int kBinsPerRank = kThrBins / kCluster;
-  // Entries of a CTA's short list after level 0 (one CTA per row: the whole row's chosen bin).
-  static constexpr int kListCap = kCluster == 1 ? 4096 : 2048;
   unsigned int cnt[kThrBins];  // this CTA's histogram of the level
   unsigned long long mass[kThrBins];
   // The cluster's histogram, bins [rank * kThrBinsPerRank, ...) on CTA `rank`: the CTAs add theirs
   // into it with distributed-shared-memory atomics. Three buffers, level L using L % 3: one
   // cluster barrier per level suffices (a buffer is zeroed by its owner one level before its use,
   // after everyone has read it two levels before).
-  unsigned int red_cnt[3][kBinsPerRank];
-  unsigned long long red_mass[3][kBinsPerRank];
-  uint32_t list[kListCap];
+  unsigned int red_cnt[3][kThrBinsPerRank];
+  unsigned long long red_mass[3][kThrBinsPerRank];
+  uint32_t list[kThrListCap];
   int list_n;
   float cta_max;
   float warp_f[kThrWarps];
@@ -131,8 +126,7 @@ struct Shared {
   unsigned long long pick_mass, pick_mass_incl;
 };
 
-template <class S>
-__device__ __forceinline__ float block_max(float v, S& sm) {
+__device__ __forceinline__ float block_max(float v, Shared& sm) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
   if ((threadIdx.x & 31) == 0) sm.warp_f[threadIdx.x >> 5] = v;
   __syncthreads();
@@ -142,8 +136,7 @@ __device__ __forceinline__ float block_max(float v, S& sm) {
   return r;
 }
 
-template <class S>
-__device__ __forceinline__ int block_min(int v, S& sm) {
+__device__ __forceinline__ int block_min(int v, Shared& sm) {
   for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFullMask, v, o));
   if ((threadIdx.x & 31) == 0) sm.warp_i[threadIdx.x >> 5] = v;
   __syncthreads();
@@ -154,8 +147,7 @@ __device__ __forceinline__ int block_min(int v, S& sm) {
 }
 
 // Inclusive scans over the block's threads in thread order (integers: exact, order-free).
-template <class S>
-__device__ __forceinline__ void block_scan(unsigned int& c, unsigned long long& m, S& sm) {
+__device__ __forceinline__ void block_scan(unsigned int& c, unsigned long long& m, Shared& sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int o = 1; o < 32; o <<= 1) {
     const unsigned int c_up = __shfl_up_sync(kFullMask, c, o);
@@ -202,28 +194,6 @@ struct Selection {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-namespace cg = cooperative_groups;
-
-// The cluster primitives of a layout; one CTA per row needs no cluster: a block barrier, and every
-// bin's owner is the CTA itself.
-template <int kCluster>
-__device__ __forceinline__ void cluster_barrier(cg::cluster_group& cluster) {
-  if constexpr (kCluster == 1) {
-    __syncthreads();
-  } else {
-    cluster.sync();
-  }
-}
-
-template <int kCluster, typename P>
-__device__ __forceinline__ P* at_rank(cg::cluster_group& cluster, P* ptr, int rank) {
-  if constexpr (kCluster == 1) {
-    return ptr;
-  } else {
-    return cluster.map_shared_rank(ptr, rank);
-  }
-}
-
 // The least key in [kKeyNegInf, top] whose value satisfies `pred` (pred is monotone: false below
 // some key, true from it on); top when none below does. A bisection on the float bits.
 template <typename Pred>
@@ -240,44 +210,22 @@ __device__ __forceinline__ uint32_t least_key(uint32_t top, Pred pred) {
   return a;
 }
 
-// Calls visit(valid, x) for the entries [0, n) of a row slice (x sanitized), in whole warps: every
-// lane of a warp makes the same number of calls (valid = false past the end), so that `visit` may
-// use warp votes. 16-byte loads, kThrUnroll of them in flight per thread, when the slice is
-// 16-byte aligned; kGlobal: the slice is in global memory (read through L2), else in shared memory.
-constexpr int kThrUnroll = 4;
-
-template <typename T, bool kGlobal, typename Visit>
-__device__ __forceinline__ void for_each_entry(const T* slice, int n, bool vectorized, Visit&& visit) {
+// Calls visit(valid, x) for the entries [0, n) of a shared-memory slice (x sanitized), in whole
+// warps: every lane of a warp makes the same number of calls (valid = false past the end), so that
+// `visit` may use warp votes. 16-byte loads (the slices start 16-byte aligned), then the ragged end.
+template <typename T, typename Visit>
+__device__ __forceinline__ void for_each_entry(const T* slice, int n, Visit&& visit) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  int done = 0;
-  if (vectorized) {
-    const int n_vec = n / kVec;
-    const uint4* vec = reinterpret_cast<const uint4*>(slice);
-    for (int base = 0; base < n_vec; base += kThrThreads * kThrUnroll) {
-      uint4 r[kThrUnroll];
+  const int n_vec = n / kVec;
+  const int rounded_vec = (n_vec + 31) & ~31;
+  for (int i = threadIdx.x; i < rounded_vec; i += kThrThreads) {
+    const bool ok = i < n_vec;
+    const uint4 v = ok ? reinterpret_cast<const uint4*>(slice)[i] : make_uint4(0u, 0u, 0u, 0u);
+    const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-      for (int u = 0; u < kThrUnroll; ++u) {
-        const int i = base + u * kThrThreads + static_cast<int>(threadIdx.x);
-        r[u] = make_uint4(0u, 0u, 0u, 0u);
-        if (i < n_vec) {
-          if constexpr (kGlobal) {
-            r[u] = __ldcg(vec + i);
-          } else {
-            r[u] = vec[i];
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kThrUnroll; ++u) {
-        const bool ok = base + u * kThrThreads + static_cast<int>(threadIdx.x) < n_vec;
-        const T* e = reinterpret_cast<const T*>(&r[u]);
-#pragma unroll
-        for (int q = 0; q < kVec; ++q) visit(ok, rs_detail::sanitize(to_float(e[q])));
-      }
-    }
-    done = n_vec * kVec;
+    for (int q = 0; q < kVec; ++q) visit(ok, rs_detail::sanitize(to_float(e[q])));
   }
-  const int rest = n - done;
+  const int done = n_vec * kVec, rest = n - done;
   const int rounded = (rest + 31) & ~31;
   for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
     const bool ok = i < rest;
@@ -290,11 +238,10 @@ __device__ __forceinline__ void for_each_entry(const T* slice, int n, bool vecto
 // order), narrow the selection to it. by_mass: the goal is on the mass (top-p: goal_fraction of
 // the mass at or above the floor), else on the count (top-k: goal_cnt). Returns true when the
 // selection is done: sel.lo is the answer's key and sel.mass_above the mass at or above it.
-template <typename T, int kCluster>
-__device__ bool select_level(cg::cluster_group& cluster, Shared<kCluster>& sm, const T* slice, int n, bool vectorized,
+template <typename T>
+__device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                              int level, uint32_t floor_key, Selection& sel, bool need_mass, bool by_mass,
                              unsigned int goal_cnt, double goal_fraction, float row_max, float k, bool& use_list) {
-  using S = Shared<kCluster>;
   const int rb = level % 3;
   const float k_bins = k * kThrLogBins;
   const bool fill_list = !sel.level0 && !use_list;
@@ -305,7 +252,7 @@ __device__ bool select_level(cg::cluster_group& cluster, Shared<kCluster>& sm, c
     sm.cnt[i] = 0;
     sm.mass[i] = 0;
   }
-  for (int i = threadIdx.x; i < S::kBinsPerRank; i += kThrThreads) {
+  for (int i = threadIdx.x; i < kThrBinsPerRank; i += kThrThreads) {
     sm.red_cnt[(level + 1) % 3][i] = 0;
     sm.red_mass[(level + 1) % 3][i] = 0;
   }
@@ -338,7 +285,7 @@ __device__ bool select_level(cg::cluster_group& cluster, Shared<kCluster>& sm, c
       if (lane == 0 && ballot != 0) base = atomicAdd(&sm.list_n, __popc(ballot));
       base = __shfl_sync(kFullMask, base, 0);
       const int at = base + __popc(ballot & ((1u << lane) - 1u));
-      if (member && at < S::kListCap) sm.list[at] = key;
+      if (member && at < kThrListCap) sm.list[at] = key;
     }
     // The catch-all bin is summed in registers; the others with shared atomics. Every lane of
     // the warp reaches the __match_any_sync (need_mass is uniform over the CTA).
@@ -367,28 +314,28 @@ __device__ bool select_level(cg::cluster_group& cluster, Shared<kCluster>& sm, c
       visit(ok, ok ? value_of(sm.list[i]) : -INFINITY);
     }
   } else {
-    for_each_entry<T, kCluster == 1>(slice, n, vectorized, visit);
+    for_each_entry(slice, n, visit);
   }
   if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm.cnt, sm.mass, kThrBins - 1);
   __syncthreads();
   // From the next level on, a CTA whose members all fit reads its list instead of its slice.
-  if (fill_list) use_list = sm.list_n <= S::kListCap;
+  if (fill_list) use_list = sm.list_n <= kThrListCap;
   // Add this CTA's bins into their owners' (integer atomics: the same sums in any order).
   for (int b = threadIdx.x; b < kThrBins; b += kThrThreads) {
     const unsigned int c = sm.cnt[b];
     if (c != 0) {
-      const int owner = b / S::kBinsPerRank, at = b % S::kBinsPerRank;
-      atomicAdd(at_rank<kCluster>(cluster, &sm.red_cnt[rb][at], owner), c);
-      if (need_mass) atomicAdd(at_rank<kCluster>(cluster, &sm.red_mass[rb][at], owner), sm.mass[b]);
+      const int owner = b / kThrBinsPerRank, at = b % kThrBinsPerRank;
+      atomicAdd(cluster.map_shared_rank(&sm.red_cnt[rb][at], owner), c);
+      if (need_mass) atomicAdd(cluster.map_shared_rank(&sm.red_mass[rb][at], owner), sm.mass[b]);
     }
   }
-  cluster_barrier<kCluster>(cluster);
+  cluster.sync();
   // Thread j holds the j-th bin in descending value order (level 0: bin j; later: digit kThrBins - 1 - j).
   const int j = threadIdx.x;
   const int bin = sel.level0 ? j : kThrBins - 1 - j;
-  const int owner = bin / S::kBinsPerRank, at = bin % S::kBinsPerRank;
-  const unsigned int c_bin = at_rank<kCluster>(cluster, &sm.red_cnt[rb][at], owner)[0];
-  const unsigned long long m_bin = at_rank<kCluster>(cluster, &sm.red_mass[rb][at], owner)[0];
+  const int owner = bin / kThrBinsPerRank, at = bin % kThrBinsPerRank;
+  const unsigned int c_bin = cluster.map_shared_rank(&sm.red_cnt[rb][at], owner)[0];
+  const unsigned long long m_bin = cluster.map_shared_rank(&sm.red_mass[rb][at], owner)[0];
   unsigned int c = c_bin;
   unsigned long long m = m_bin;
   block_scan(c, m, sm);
@@ -439,15 +386,14 @@ __device__ bool select_level(cg::cluster_group& cluster, Shared<kCluster>& sm, c
 
 // A whole selection (top-k: by count; top-p: by mass), from level 0 over the slice: the answer's
 // key; *mass_at_or_above gets the mass of the keys >= it (and >= floor_key).
-template <typename T, int kCluster>
-__device__ uint32_t select_key(cg::cluster_group& cluster, Shared<kCluster>& sm, const T* slice, int n,
-                               bool vectorized, int& level, uint32_t floor_key, bool need_mass, bool by_mass,
-                               unsigned int goal_cnt, double goal_fraction, float row_max, float k,
-                               unsigned long long* mass_at_or_above) {
+template <typename T>
+__device__ uint32_t select_key(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
+                               int& level, uint32_t floor_key, bool need_mass, bool by_mass, unsigned int goal_cnt,
+                               double goal_fraction, float row_max, float k, unsigned long long* mass_at_or_above) {
   Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0};
   bool use_list = false;
-  while (!select_level<T, kCluster>(cluster, sm, slice, n, vectorized, level++, floor_key, sel, need_mass, by_mass,
-                                    goal_cnt, goal_fraction, row_max, k, use_list)) {
+  while (!select_level<T>(cluster, sm, slice, n, level++, floor_key, sel, need_mass, by_mass, goal_cnt,
+                          goal_fraction, row_max, k, use_list)) {
   }
   *mass_at_or_above = sel.mass_above;
   return sel.lo;
@@ -462,8 +408,7 @@ struct SlotFilters {
   bool k_on, p_on, mp_on;
 };
 
-template <class S>
-__device__ inline bool slot_filters(const RowThresholdParams& p, int64_t slot, S& sm, SlotFilters& f) {
+__device__ inline bool slot_filters(const RowThresholdParams& p, int64_t slot, Shared& sm, SlotFilters& f) {
   int64_t b, row;
   if (p.tree) {
     // The owner of node row `slot`: the least i with cu[i] > row is owner + 1 (cu may be
@@ -518,87 +463,72 @@ __device__ inline uint32_t min_p_key(float row_max, float k, float min_p) {
 
 }  // namespace thr_detail
 
-// One slot per kCluster CTAs (blockIdx.x / kCluster). kCluster = kThrCluster: launched as clusters
-// by launch_row_thresholds, each CTA holding a slice of p.slice entries of T in dynamic shared
-// memory. kCluster = 1: one CTA per slot, every pass reading the row from global memory.
-template <typename T, int kCluster>
+// One cluster of kThrCluster CTAs per slot (blockIdx.x / kThrCluster); launched with the cluster
+// dimension by launch_row_thresholds. Dynamic shared memory: p.slice entries of T.
+template <typename T>
 __global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThresholdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
   using namespace thr_detail;
-  __shared__ Shared<kCluster> sm;
+  __shared__ Shared sm;
   extern __shared__ __align__(16) unsigned char thr_dynamic_smem[];
+  T* slice = reinterpret_cast<T*>(thr_dynamic_smem);
   cg::cluster_group cluster = cg::this_cluster();
-  const int64_t slot = blockIdx.x / kCluster;
-  const int rank = kCluster == 1 ? 0 : static_cast<int>(cluster.block_rank());
+  const int64_t slot = blockIdx.x / kThrCluster;
+  const int rank = static_cast<int>(cluster.block_rank());
   SlotFilters f;
   // Uniform over the cluster: every CTA returns here, or none does.
   if (!slot_filters(p, slot, sm, f)) {
     if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = -INFINITY;
     return;
   }
-  const T* row = static_cast<const T*>(p.logits) + f.row * p.row_stride;
-  const T* slice;
-  int n;
+  // This CTA's slice of the row, into shared memory; its max.
+  const int64_t start = static_cast<int64_t>(rank) * p.slice;
+  const int64_t left = p.vocab - start;
+  const int n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
+  const T* src = static_cast<const T*>(p.logits) + f.row * p.row_stride + start;
   float local_max = -INFINITY;
-  if constexpr (kCluster == 1) {
-    // The whole row, read in place.
-    slice = row;
-    n = static_cast<int>(p.vocab);
-    for_each_entry<T, true>(slice, n, p.vectorized, [&](bool ok, float x) {
-      if (ok) local_max = fmaxf(local_max, x);
-    });
-  } else {
-    // This CTA's slice of the row, into shared memory; its max.
-    T* copy = reinterpret_cast<T*>(thr_dynamic_smem);
-    const int64_t start = static_cast<int64_t>(rank) * p.slice;
-    const int64_t left = p.vocab - start;
-    n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
-    const T* src = row + start;
-    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-    int done = 0;
-    if (p.vectorized) {
-      const int n_vec = n / kVec;
-      for (int i = threadIdx.x; i < n_vec; i += kThrThreads) {
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src) + i);
-        reinterpret_cast<uint4*>(copy)[i] = v;
-        const T* e = reinterpret_cast<const T*>(&v);
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  int done = 0;
+  if (p.vectorized) {
+    const int n_vec = n / kVec;
+    for (int i = threadIdx.x; i < n_vec; i += kThrThreads) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+      reinterpret_cast<uint4*>(slice)[i] = v;
+      const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-        for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
-      }
-      done = n_vec * kVec;
+      for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
     }
-    for (int i = done + threadIdx.x; i < n; i += kThrThreads) {
-      const T v = src[i];
-      copy[i] = v;
-      local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
-    }
-    slice = copy;
+    done = n_vec * kVec;
   }
-  for (int i = threadIdx.x; i < 3 * Shared<kCluster>::kBinsPerRank; i += kThrThreads) {
-    sm.red_cnt[i / Shared<kCluster>::kBinsPerRank][i % Shared<kCluster>::kBinsPerRank] = 0;
-    sm.red_mass[i / Shared<kCluster>::kBinsPerRank][i % Shared<kCluster>::kBinsPerRank] = 0;
+  for (int i = done + threadIdx.x; i < n; i += kThrThreads) {
+    const T v = src[i];
+    slice[i] = v;
+    local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
+  }
+  for (int i = threadIdx.x; i < 3 * kThrBinsPerRank; i += kThrThreads) {
+    sm.red_cnt[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
+    sm.red_mass[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
   }
   local_max = block_max(local_max, sm);  // (its barriers also publish the slice and the zeros)
   if (threadIdx.x == 0) sm.cta_max = local_max;
-  cluster_barrier<kCluster>(cluster);
+  cluster.sync();
   float row_max = -INFINITY;
-  for (int q = 0; q < kCluster; ++q) row_max = fmaxf(row_max, at_rank<kCluster>(cluster, &sm.cta_max, q)[0]);
-  // The shared-memory slices always start 16-byte aligned; a row in global memory when it does.
-  const bool vectorized = kCluster == 1 ? p.vectorized : true;
+  for (int q = 0; q < kThrCluster; ++q) row_max = fmaxf(row_max, cluster.map_shared_rank(&sm.cta_max, q)[0]);
   uint32_t t_key = kKeyNegInf;
   if (row_max > -INFINITY) {
     int level = 0;
     uint32_t k_key = kKeyNegInf;
     unsigned long long unused = 0;
     if (f.k_on) {
-      k_key = select_key<T, kCluster>(cluster, sm, slice, n, vectorized, level, kKeyNegInf, false, false,
-                                      static_cast<unsigned>(f.top_k), 0.0, row_max, f.k, &unused);
+      k_key = select_key<T>(cluster, sm, slice, n, level, kKeyNegInf, false, false, static_cast<unsigned>(f.top_k),
+                            0.0, row_max, f.k, &unused);
     }
     uint32_t p_key = kKeyNegInf;
     if (f.p_on) {
       // top-p on what top-k kept: the floor is t_k; p <= 0 keeps the top token(s) (goal 0).
-      p_key = select_key<T, kCluster>(cluster, sm, slice, n, vectorized, level, k_key, true, true, 0u,
-                                      static_cast<double>(fmaxf(f.top_p, 0.0f)), row_max, f.k, &unused);
+      p_key = select_key<T>(cluster, sm, slice, n, level, k_key, true, true, 0u,
+                            static_cast<double>(fmaxf(f.top_p, 0.0f)), row_max, f.k, &unused);
     }
     const uint32_t mp_key = f.mp_on ? min_p_key(row_max, f.k, f.min_p) : kKeyNegInf;
     t_key = max(max(k_key, p_key), mp_key);
@@ -606,44 +536,31 @@ __global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThr
   }
   if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = value_of(t_key);
   // No CTA leaves while another may still read its shared memory.
-  if constexpr (kCluster > 1) cluster.sync();
+  cluster.sync();
 #else
   __trap();  // sm_90 only: the binding checks the device first
 #endif
 }
 
-namespace thr_detail {
-
-template <typename T, int kCluster>
-cudaError_t launch_layout(const RowThresholdParams& p, int64_t slots, cudaStream_t stream) {
-  const size_t smem = kCluster == 1 ? 0 : static_cast<size_t>(p.slice) * sizeof(T);
-  if (smem > 0) {
-    const cudaError_t err = cudaFuncSetAttribute(row_threshold_kernel<T, kCluster>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+template <typename T>
+cudaError_t launch_row_thresholds(const RowThresholdParams& p, int64_t slots, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(p.slice) * sizeof(T);
+  cudaError_t err = cudaFuncSetAttribute(row_threshold_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(slots * kCluster), 1, 1);
+  config.gridDim = dim3(static_cast<unsigned>(slots * kThrCluster), 1, 1);
   config.blockDim = dim3(kThrThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.x = kThrCluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
-  config.numAttrs = kCluster > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, row_threshold_kernel<T, kCluster>, p);
-}
-
-}  // namespace thr_detail
-
-// ctas_per_row: kThrCluster (a cluster per row, the row in shared memory) or 1 (a CTA per row).
-template <typename T>
-cudaError_t launch_row_thresholds(const RowThresholdParams& p, int64_t slots, int ctas_per_row, cudaStream_t stream) {
-  if (ctas_per_row == 1) return thr_detail::launch_layout<T, 1>(p, slots, stream);
-  return thr_detail::launch_layout<T, kThrCluster>(p, slots, stream);
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, row_threshold_kernel<T>, p);
 }
 
 }  // namespace specdec
