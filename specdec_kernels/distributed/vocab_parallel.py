@@ -46,7 +46,8 @@ Local work:
   kernels below need unit strides, which now take the fused path: only their own test
   reaches them).
 
-NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths (``max_spec_len``
+NCCL on GPUs, gloo on CPUs (gloo also takes CUDA tensors: the tests run several ranks on one
+GPU that way, python_tests/test_distributed_gpu.py); no host synchronization inside when the widths (``max_spec_len``
 / ``max_depth``, ``max_children``) and the seeds are given; CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -624,7 +625,7 @@ def tree_rejection_sample_vocab_parallel(
         The full vocabulary size V.
     group : ProcessGroup or None
         The tensor-parallel group (None: the default group). NCCL for CUDA tensors, gloo
-        for CPU tensors.
+        for CPU tensors (gloo with CUDA tensors works too: slower, through host memory).
     max_children : int or None
         With ``draft_probs`` only: an upper bound on the number of children of any node. The
         residual after j rejected siblings needs a global sum that depends on the previous
