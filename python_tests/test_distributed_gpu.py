@@ -41,9 +41,9 @@ pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the rank
 WORLDS = (2, 4)
 DEVICE = "cuda"  # every rank's device (index 0)
 SPAWNED = max(WORLDS)
-# $SPECDEC_VP_TRITON per path: "1" takes the fused Triton kernels for trees on CUDA tensors too
-# (chains take them by default), "0" the torch path.
-PATH_ENV = {"fused": "1", "torch": "0"}
+# $SPECDEC_VP_TRITON per path: unset = the default, the fused Triton kernels for chains and
+# trees on CUDA tensors; "0" the torch path.
+PATH_ENV = {"fused": None, "torch": "0"}
 
 # Chains: the cases of test_distributed.py (whatever world size they were written for) and two
 # real vocabularies whose drafts are boosted enough to be accepted to various depths:
@@ -182,7 +182,10 @@ def _run_world(rank: int, world: int, group) -> dict:
     distributed._chain_fused, distributed._tree_fused = counted("chain", chain_fused), counted("tree", tree_fused)
     try:
         for path, env in PATH_ENV.items():
-            os.environ["SPECDEC_VP_TRITON"] = env
+            if env is None:
+                os.environ.pop("SPECDEC_VP_TRITON", None)
+            else:
+                os.environ["SPECDEC_VP_TRITON"] = env
             before = dict(calls)
             for i, (vocab, *_rest) in enumerate(CHAIN_CASES):
                 logits, ids, cu, p, temp, seeds, offs, k = _chain_batch(i)
@@ -369,9 +372,9 @@ def test_gpu_vocab_parallel_tree_residual_after_several_rejections(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gpu_vocab_parallel_took_the_fused_kernels(world):
-    """The fused path ran every chain call and every float32 tree call with nodes through the
-    fused Triton kernels on CUDA shards; the torch path never did (else the equalities above
-    would compare the torch path with itself)."""
+    """By default (no $SPECDEC_VP_TRITON) every chain call and every float32 tree call with
+    nodes took the fused Triton kernels on CUDA shards; the torch path never did (else the
+    equalities above would compare the torch path with itself)."""
     n_chain = len(CHAIN_CASES) + len(CHAIN_EDGE_CASES)
     n_tree = (sum(case[4] == torch.float32 for case in TREE_GPU_CASES) + 2  # + seeds drawn, residual
               + sum("N0" not in case[-1] for case in TREE_EDGE_CASES))

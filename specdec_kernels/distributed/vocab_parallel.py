@@ -36,10 +36,9 @@ Local work:
 - tree op, CUDA tensors: the same five fused launches (``triton.vocab_parallel``) -- row
   statistics and the children's values | the walk (every program repeats it from the
   gathered numbers), the stop row and per-chunk sums of its weights | race | pick | final
-  token -- plus one launch before each residual-mass all_reduce (draft probabilities).
-  Opt-in on GPUs ($SPECDEC_VP_TRITON=1) until a GPU run validates it: it passes the
-  interpreter tests bit for bit, but has not run on a GPU yet, so CUDA tensors take the
-  GPU-validated torch path by default; =0 as for chains;
+  token -- plus one launch before each residual-mass all_reduce (draft probabilities);
+  $SPECDEC_VP_TRITON as for chains (validated on one GPU with 2 and 4 ranks sharing it:
+  python_tests/test_distributed_gpu.py);
 - CPU tensors (gloo), float64, or logits / draft probabilities with a non-unit column stride:
   vectorized PyTorch, the same arithmetic (on CUDA tensors its Philox draws are one Triton
   launch, ``_philox01_kernel``; the older row statistics / residual mass / chunk totals
@@ -92,16 +91,6 @@ def _use_triton(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
     if mode == "0":
         return False
     return t.is_cuda or mode == "1" or _INTERPRET
-
-
-def _use_fused_tree(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
-    """The tree op's fused kernels: as ``_use_triton``, except that on CUDA tensors they are
-    opt-in ($SPECDEC_VP_TRITON=1) until a GPU run has validated them (they pass the
-    interpreter tests bit for bit against the torch path, which is GPU-validated and stays
-    the default on GPUs meanwhile)."""
-    if not _use_triton(t, compute_dtype):
-        return False
-    return not t.is_cuda or os.environ.get("SPECDEC_VP_TRITON") == "1"
 
 
 def _row_stats(logits: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, lo: int, vocab_size: int,
@@ -707,7 +696,7 @@ def tree_rejection_sample_vocab_parallel(
         dist.broadcast(seeds, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     seeds = seeds.to(torch.int64)
     offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
-    if _use_fused_tree(target_logits, cd) and target_logits.stride(1) == 1 and \
+    if _use_triton(target_logits, cd) and target_logits.stride(1) == 1 and \
             (draft_probs is None or draft_probs.stride(1) == 1):
         if draft_probs is not None and max_children is None:  # the most tested children of a node; syncs
             max_children = int(_tree_links(tokens, parents, cu_num_nodes, vocab_size).n_children.max())
