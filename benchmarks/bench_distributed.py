@@ -33,7 +33,6 @@ with card, versions, NCCL, TP and commit; append it to benchmarks/results/distri
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out bench_out --graph
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --device cpu --out /tmp/smoke   # gloo smoke test
     SPECDEC_VP_TRITON=0 torchrun ...   # the vocab-parallel op's torch path (before the fused kernels)
-    SPECDEC_VP_TRITON=1 torchrun ...   # also the tree op's fused path on GPUs (opt-in until validated there)
     TRITON_INTERPRET=1 SPECDEC_VP_TRITON=1 torchrun --nproc-per-node 2 benchmarks/bench_distributed.py \
         --device cpu --ops chain,tree --batches 2 --vocab 600 --warmup 0 --iters 1 --out /tmp/smoke   # fused paths, CPU
 """

@@ -26,7 +26,8 @@ if not torch.cuda.is_available():
 # with others' jobs beside (pytest --durations=0, 2026-11-29).
 TIERS = [
     # gpu: needs a CUDA device; skipped without one.
-    ("gpu", "test_gpu_stress.py test_tree_gpu.py test_cuda_graphs.py", "", "", "CUDA-only modules"),
+    ("gpu", "test_gpu_stress.py test_tree_gpu.py test_cuda_graphs.py test_distributed_gpu.py", "", "",
+     "CUDA-only modules"),
     ("gpu", "test_*.py", r"^test_gpu_|^test_cuda_kernel_|^test_(device_mismatch|filter_device)_error$", "",
      "the CUDA kernel or CUDA tensors"),
     ("gpu", "test_*.py", "", r"-cuda-", "parametrized on the CUDA device or backend"),
@@ -36,6 +37,7 @@ TIERS = [
     # distributed: spawned gloo process groups (the one-process checks of the module stay).
     ("distributed", "test_distributed.py", r"^test_(tree_)?vocab_parallel_(?!input_errors)", "",
      "spawns 2-4 processes; 760 s"),
+    ("distributed", "test_distributed_gpu.py", "", "", "spawns 4 processes sharing one GPU (gloo on CUDA tensors)"),
     # compile: the Triton kernels compiled for sm_90 and their SASS (no GPU needed). torch.compile
     # of the op (test_api, test_tree, test_filters: seconds) is part of the op's contract and stays.
     ("compile", "test_triton_compile.py", "", "", "ptxas/nvdisasm of every kernel: up to 6 min a shard"),

@@ -36,17 +36,17 @@ Local work:
 - tree op, CUDA tensors: the same five fused launches (``triton.vocab_parallel``) -- row
   statistics and the children's values | the walk (every program repeats it from the
   gathered numbers), the stop row and per-chunk sums of its weights | race | pick | final
-  token -- plus one launch before each residual-mass all_reduce (draft probabilities).
-  Opt-in on GPUs ($SPECDEC_VP_TRITON=1) until a GPU run validates it: it passes the
-  interpreter tests bit for bit, but has not run on a GPU yet, so CUDA tensors take the
-  GPU-validated torch path by default; =0 as for chains;
+  token -- plus one launch before each residual-mass all_reduce (draft probabilities);
+  $SPECDEC_VP_TRITON as for chains (validated on one GPU with 2 and 4 ranks sharing it:
+  python_tests/test_distributed_gpu.py);
 - CPU tensors (gloo), float64, or logits / draft probabilities with a non-unit column stride:
   vectorized PyTorch, the same arithmetic (on CUDA tensors its Philox draws are one Triton
   launch, ``_philox01_kernel``; the older row statistics / residual mass / chunk totals
   kernels below need unit strides, which now take the fused path: only their own test
   reaches them).
 
-NCCL on GPUs, gloo on CPUs; no host synchronization inside when the widths (``max_spec_len``
+NCCL on GPUs, gloo on CPUs (gloo also takes CUDA tensors: the tests run several ranks on one
+GPU that way, python_tests/test_distributed_gpu.py); no host synchronization inside when the widths (``max_spec_len``
 / ``max_depth``, ``max_children``) and the seeds are given; CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -91,16 +91,6 @@ def _use_triton(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
     if mode == "0":
         return False
     return t.is_cuda or mode == "1" or _INTERPRET
-
-
-def _use_fused_tree(t: torch.Tensor, compute_dtype: torch.dtype) -> bool:
-    """The tree op's fused kernels: as ``_use_triton``, except that on CUDA tensors they are
-    opt-in ($SPECDEC_VP_TRITON=1) until a GPU run has validated them (they pass the
-    interpreter tests bit for bit against the torch path, which is GPU-validated and stays
-    the default on GPUs meanwhile)."""
-    if not _use_triton(t, compute_dtype):
-        return False
-    return not t.is_cuda or os.environ.get("SPECDEC_VP_TRITON") == "1"
 
 
 def _row_stats(logits: torch.Tensor, rows: torch.Tensor, inv_t: torch.Tensor, lo: int, vocab_size: int,
@@ -624,7 +614,7 @@ def tree_rejection_sample_vocab_parallel(
         The full vocabulary size V.
     group : ProcessGroup or None
         The tensor-parallel group (None: the default group). NCCL for CUDA tensors, gloo
-        for CPU tensors.
+        for CPU tensors (gloo with CUDA tensors works too: slower, through host memory).
     max_children : int or None
         With ``draft_probs`` only: an upper bound on the number of children of any node. The
         residual after j rejected siblings needs a global sum that depends on the previous
@@ -706,7 +696,7 @@ def tree_rejection_sample_vocab_parallel(
         dist.broadcast(seeds, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     seeds = seeds.to(torch.int64)
     offsets = torch.zeros(B, dtype=torch.int64, device=device) if offsets is None else offsets.to(torch.int64)
-    if _use_fused_tree(target_logits, cd) and target_logits.stride(1) == 1 and \
+    if _use_triton(target_logits, cd) and target_logits.stride(1) == 1 and \
             (draft_probs is None or draft_probs.stride(1) == 1):
         if draft_probs is not None and max_children is None:  # the most tested children of a node; syncs
             max_children = int(_tree_links(tokens, parents, cu_num_nodes, vocab_size).n_children.max())
