@@ -73,14 +73,13 @@ TORCH_LIBRARY(specdec, m) {
       "int max_depth, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, Tensor? lenience=None) "
       "-> (Tensor output_token_ids, Tensor accepted_nodes, Tensor num_accepted)");
 
-  // The CUDA chain / tree kernels given the threshold pass's per-row thresholds (and, chain, its
-  // record of the rows verified from their kept set). CUDA kernels: bindings/chain_cuda.cu,
-  // tree_cuda.cu; fakes: specdec_kernels/_ops.py; caller: the _cuda_filters ops above.
+  // The CUDA chain / tree kernels given the threshold pass's per-row thresholds. CUDA kernels:
+  // bindings/chain_cuda.cu, tree_cuda.cu; fakes: specdec_kernels/_ops.py; caller: the _cuda_filters
+  // ops above.
   m.def(
       "_rejection_sample_cuda_filtered(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
       "Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, int max_spec_len, "
-      "str method, Tensor? row_thresholds, Tensor? kept_sum=None, Tensor? kept_max=None, Tensor? chunk_max=None, "
-      "Tensor? kept_chunk_mass=None, Tensor? lenience=None) -> (Tensor output_token_ids, Tensor num_accepted)");
+      "str method, Tensor? row_thresholds, Tensor? lenience=None) -> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "_tree_rejection_sample_cuda_filtered(Tensor target_logits, Tensor tokens, Tensor parents, "
       "Tensor cu_num_nodes, Tensor? draft_probs, Tensor? temperature, Tensor? seeds, Tensor? offsets, "

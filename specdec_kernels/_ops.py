@@ -102,7 +102,6 @@ def _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, 
 @torch.library.register_fake("specdec::_rejection_sample_cuda_filtered")
 def _rejection_sample_cuda_filtered_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                                          temperature, seeds, offsets, max_spec_len, method, row_thresholds,
-                                         kept_sum=None, kept_max=None, chunk_max=None, kept_chunk_mass=None,
                                          lenience=None):
     return _rejection_sample_fake(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
                                   seeds, offsets, max_spec_len, method)

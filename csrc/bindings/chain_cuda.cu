@@ -72,8 +72,6 @@ int64_t concurrent_ctas(int device_index) {
 struct Call {
   at::Tensor logits, draft_ids, cu, draft_probs, temperature, seeds, offsets;
   at::Tensor row_thresholds;  // sampling filters' thresholds per (request, row), or undefined
-  // The threshold pass's record of the rows verified from their kept set, or undefined.
-  at::Tensor kept_sum, kept_max, chunk_max, kept_chunk_mass;
   at::Tensor lenience;  // float32 [B], or undefined (exact)
   int64_t num_requests, max_spec_len;
   at::Tensor out_tokens, num_accepted;
@@ -123,12 +121,6 @@ void launch(const Call& call) {
   p.num_accepted = call.num_accepted.data_ptr<int32_t>();
   p.counters = counters;
   p.row_thresholds = call.row_thresholds.defined() ? call.row_thresholds.data_ptr<float>() : nullptr;
-  if (call.kept_sum.defined()) {
-    p.kept_sum = call.kept_sum.data_ptr<float>();
-    p.kept_max = call.kept_max.data_ptr<float>();
-    p.chunk_max = call.chunk_max.data_ptr<float>();
-    p.kept_chunk_mass = call.kept_chunk_mass.data_ptr<float>();
-  }
   p.split_records = reinterpret_cast<specdec::RsSplitRecord*>(records);
   p.residual_records = reinterpret_cast<specdec::RsResidualRecord*>(records + residual_offset);
   p.residual_masses = plan.num_residual_masses > 0 ? reinterpret_cast<float*>(records + masses_offset) : nullptr;
@@ -172,8 +164,6 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& temperature,
     const std::optional<at::Tensor>& seeds, const std::optional<at::Tensor>& offsets, int64_t max_spec_len,
     c10::string_view method, const std::optional<at::Tensor>& row_thresholds,
-    const std::optional<at::Tensor>& kept_sum, const std::optional<at::Tensor>& kept_max,
-    const std::optional<at::Tensor>& chunk_max, const std::optional<at::Tensor>& kept_chunk_mass,
     const std::optional<at::Tensor>& lenience) {
   const bool block_method = method == "block";
   TORCH_CHECK(method == "token" || block_method, kOp, ": method must be 'token' or 'block', got '",
@@ -219,20 +209,9 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
                                  offsets);
   const at::Tensor lenience_f32 = binding::lenience_f32(kOp, lenience, num_requests, device);
 
-  // Sampling filters: the thresholds per (request, row), and the kept-set record (all four or
-  // none, only with the thresholds), each a float32 vector of the size the kernel indexes.
-  const int n_kept = kept_sum.has_value() + kept_max.has_value() + chunk_max.has_value() + kept_chunk_mass.has_value();
-  TORCH_CHECK(n_kept == 0 || (n_kept == 4 && row_thresholds.has_value()), kOp,
-              ": kept_sum, kept_max, chunk_max and kept_chunk_mass go together, with row_thresholds");
-  const int64_t slots = num_requests * (max_spec_len + 1);
-  const int64_t table = slots * ((vocab + specdec::kSampleChunk - 1) / specdec::kSampleChunk);
-  const std::optional<at::Tensor>* filter_args[] = {&row_thresholds, &kept_sum, &kept_max, &chunk_max,
-                                                    &kept_chunk_mass};
-  const char* filter_names[] = {"row_thresholds", "kept_sum", "kept_max", "chunk_max", "kept_chunk_mass"};
-  const int64_t filter_sizes[] = {slots, slots, slots, table, table};
-  for (int i = 0; i < 5; ++i) {
-    if (!filter_args[i]->has_value()) continue;
-    binding::check_float_vector(kOp, filter_names[i], **filter_args[i], filter_sizes[i], device);
+  // Sampling filters: the thresholds per (request, row), a float32 vector of the size the kernel indexes.
+  if (row_thresholds.has_value()) {
+    binding::check_float_vector(kOp, "row_thresholds", *row_thresholds, num_requests * (max_spec_len + 1), device);
   }
 
   const c10::cuda::CUDAGuard guard(device);
@@ -253,15 +232,7 @@ std::tuple<at::Tensor, at::Tensor> run_rejection_sample(
                                                std::numeric_limits<int64_t>::max(), {num_requests},
                                                at::TensorOptions().dtype(at::kLong).device(device));
   if (offsets.has_value()) call.offsets = offsets->contiguous();
-  if (row_thresholds.has_value()) {
-    call.row_thresholds = row_thresholds->contiguous();
-    if (n_kept == 4) {
-      call.kept_sum = kept_sum->contiguous();
-      call.kept_max = kept_max->contiguous();
-      call.chunk_max = chunk_max->contiguous();
-      call.kept_chunk_mass = kept_chunk_mass->contiguous();
-    }
-  }
+  if (row_thresholds.has_value()) call.row_thresholds = row_thresholds->contiguous();
   call.lenience = lenience_f32;
   call.num_requests = num_requests;
   call.max_spec_len = max_spec_len;
@@ -292,8 +263,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
                              offsets, max_spec_len, method, top_k, top_p, min_p, lenience);
   }
   return run_rejection_sample(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds,
-                              offsets, max_spec_len, method, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                              std::nullopt, lenience);
+                              offsets, max_spec_len, method, std::nullopt, lenience);
 }
 
 #ifdef SPECDEC_TRACE

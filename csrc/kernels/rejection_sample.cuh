@@ -52,7 +52,7 @@
 // the chain kernel's own are rejection_sample_params.cuh (limits, records, launch parameters,
 // host plan), rejection_sample_records.cuh (CTA state, combining records, the decisions, the
 // outputs), rejection_sample_trace.cuh (profiling build) and this file (stream configuration,
-// kept-set rows, phase 1, phase 2, the kernel and its launchers).
+// phase 1, phase 2, the kernel and its launchers).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -135,60 +135,6 @@ __device__ __forceinline__ void warp_combine_chunk_races(const RsShared& sm, flo
   if (score == -INFINITY) chunk = -1;
 }
 
-// ------------------------------------------------------------------------- kept-set rows
-
-// Split 0 of a row verified from its kept set: the chunk race over the threshold pass's table
-// (score log2(W_c) - log2(-log2 v_c) + (m_c - M) k relative to the row max M, lowest chunk on
-// ties, the stream's noise), then warp 0 samples inside the winner, reading those 256 logits.
-// Every thread gets the score; warp 0 the candidate (-1: none).
-template <typename T>
-__device__ __forceinline__ void kept_set_race(const RejectionSampleParams& p, RsShared& sm, const RequestContext& rq,
-                                              int64_t slot, int t, const T* row_ptr, int limit, float row_max,
-                                              int excluded, float thr, float& score, int& candidate) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int num_chunks = p.plan.num_chunks;
-  const float* mass_row = p.kept_chunk_mass + slot * num_chunks;
-  const float* max_row = p.chunk_max + slot * num_chunks;
-  float best = -INFINITY;
-  int best_chunk = INT_MAX, unused = -1;
-  for (int c = threadIdx.x; c < num_chunks; c += kRsThreads) {  // c increases: the first wins ties
-    const float w = __ldcg(mass_row + c);
-    if (w > 0.0f) {
-      const PhiloxBlock r = philox_words(rq.seed, rq.offset, kStreamSample, static_cast<uint32_t>(t),
-                                         static_cast<uint32_t>(c));
-      const float s = (log2f(w) - log2f(-log2f(open_uniform_from_word(r.y)))) + (__ldcg(max_row + c) - row_max) * rq.k;
-      if (s > best) {
-        best = s;
-        best_chunk = c;
-      }
-    }
-  }
-  warp_race_winner(best, best_chunk, unused);
-  if (lane == 0) {
-    sm.reduce_score[warp] = best;
-    sm.reduce_chunk[warp] = best_chunk;
-  }
-  __syncthreads();
-  score = -INFINITY;
-  int chunk = INT_MAX;
-#pragma unroll
-  for (int w = 0; w < kRsWarps; ++w) {
-    if (sm.reduce_score[w] > score || (sm.reduce_score[w] == score && sm.reduce_chunk[w] < chunk)) {
-      score = sm.reduce_score[w];
-      chunk = sm.reduce_chunk[w];
-    }
-  }
-  candidate = -1;
-  if (warp == 0 && score > -INFINITY) {
-    const Segment<T, kRsLaneEntries> seg = load_segment<T, kRsLaneEntries>(
-        row_ptr, chunk * kSampleChunk + lane * kRsLaneEntries, limit, p.logits_vectorized, ElemBits<T>::kNegInf);
-    const float u = uniform_from_word(philox_words(rq.seed, rq.offset, kStreamSample, static_cast<uint32_t>(t),
-                                                   static_cast<uint32_t>(chunk)).x);
-    candidate = warp_sample_chunk(seg, chunk, rq.k, excluded, u, thr);
-  }
-}
-
 // The end of a phase-1 unit: its record, its count, and the request's finalization by the last
 // unit (deterministic drafts and greedy requests; phase 2 finalizes the others).
 template <typename T, typename P, RsMethod kMethod>
@@ -255,14 +201,11 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int row_unit = unit / p.plan.num_splits;
   const int b = row_unit / width;
   const int t = row_unit % width;
-  // Sampling filters: the row's threshold and kept-set mark, loaded before and alongside the
-  // request's fields (neither depends on them; slot < B (K + 1) for every unit).
+  // Sampling filters: the row's threshold, loaded before and alongside the request's fields (it
+  // does not depend on them; slot < B (K + 1) for every unit).
   const int64_t slot = static_cast<int64_t>(b) * width + t;
-  float row_thr = -INFINITY, row_kept = 0.0f;
-  if constexpr (kFiltered) {
-    row_thr = p.row_thresholds[slot];
-    if (p.kept_sum != nullptr) row_kept = p.kept_sum[slot];
-  }
+  float row_thr = -INFINITY;
+  if constexpr (kFiltered) row_thr = p.row_thresholds[slot];
   const int tile_lo = split * p.plan.tiles_per_split;
   const int tile_hi = min(tile_lo + p.plan.tiles_per_split, p.plan.num_tiles);
   // The request's fields (and the guessed draft id below) go out before the first tiles: behind
@@ -299,11 +242,9 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
   const int limit = row_ok ? p.vocab_size : 0;
   const T* row_ptr = static_cast<const T*>(p.target_logits) + (row_ok ? row : 0) * p.logits_row_stride;
   const float k = rq.k;
-  // The threshold (-inf: unfiltered; greedy rows ignore the filters), and whether the pass held
-  // the row's whole kept set (then no stream; CTA-uniform).
+  // The threshold (-inf: unfiltered; greedy rows ignore the filters).
   const float thr = rq.greedy ? -INFINITY : row_thr;
-  const bool kept_row = thr > -INFINITY && row_kept > 0.0f;
-  if (!kept_row && !(guess_row >= 0 && row == guess_row)) {
+  if (!(guess_row >= 0 && row == guess_row)) {
     cp_async_wait<0>();
     stream.row = row_ptr;
     stream.limit = limit;
@@ -342,20 +283,6 @@ __device__ void phase1_unit(const RejectionSampleParams& p, RsShared& sm, int un
       sm.draft_prob = draft_prob;
     }
   };
-
-  if (kept_row) {
-    // The row's record from the pass's: split 0 gets M, Z_t and the race; the others are empty.
-    store_draft_operands();
-    float score = -INFINITY;
-    int candidate = -1;
-    const float kept_max = split == 0 ? p.kept_max[slot] : -INFINITY;  // one load; kept_sum is row_kept
-    if (split == 0) {
-      kept_set_race(p, sm, rq, slot, t, row_ptr, limit, kept_max, kHasDraftProbs ? -1 : draft, thr, score, candidate);
-    }
-    finish_phase1_unit<T, P, kMethod>(p, sm, unit, b, rq, kept_max, split == 0 ? row_kept : 0.0f, -1, score, draft,
-                                      candidate);
-    return;
-  }
 
   const int group = threadIdx.x / kRsChunkLanes;  // this thread's chunk of a tile
   const int gl = threadIdx.x % kRsChunkLanes;

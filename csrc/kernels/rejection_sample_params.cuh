@@ -101,16 +101,6 @@ struct RejectionSampleParams {
   // b * (max_spec_len + 1) + t from the threshold pass; logits below it count as -inf (-inf:
   // unfiltered). nullptr: no filters.
   const float* row_thresholds;
-  // Rows verified from their kept set (docs/ALGORITHM.md §7): for a filtered row whose whole kept
-  // set the threshold pass's search held, the pass wrote its kept sum Z_t (kept_sum > 0 marks such
-  // a row; 0 for every other row), its max, and per chunk c (at (b * (max_spec_len + 1) + t) *
-  // num_chunks + c) the chunk max m_c and the kept mass sum exp2((l - m_c) k) of the chunk, the
-  // excluded draft left out as the stream leaves it out. Such a row's units stream nothing.
-  // nullptr: every filtered row is streamed.
-  const float* kept_sum;
-  const float* kept_max;
-  const float* chunk_max;
-  const float* kept_chunk_mass;
   RsSplitRecord* split_records;        // [units_phase1]
   RsResidualRecord* residual_records;  // [num_requests * residual_rows * residual_splits]
   // Block verification with draft probabilities: each phase-2 unit's residual mass
