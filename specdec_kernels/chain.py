@@ -75,8 +75,8 @@ def rejection_sample(
         0 = off; None = off for every request.
 
         The filters apply to every target row of a random request (its draft rows and its
-        bonus row), in the order temperature -> top-k -> top-p -> min-p (a threshold pass of
-        two small kernels before the verification kernel, no sort; docs/ALGORITHM.md §7):
+        bonus row), in the order temperature -> top-k -> top-p -> min-p (a threshold pass
+        before the verification kernel, no sort; docs/ALGORITHM.md §7):
         verification and the final token use the filtered target, so the emitted tokens
         follow it exactly. ``draft_probs`` must be what the drafter sampled from (filtered or
         not is the drafter's business). Greedy requests ignore them.

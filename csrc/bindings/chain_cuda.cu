@@ -306,8 +306,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
 }
 
 // The tensor-free ops have no device to dispatch on: their kernels are registered for
-// CompositeImplicitAutograd, the key m.def(schema, fn) gave them before the schemas moved to
-// ops.cpp, so that they run from any caller, without a GPU.
+// CompositeImplicitAutograd, so that they run from any caller, without a GPU.
 TORCH_LIBRARY_IMPL(specdec, CompositeImplicitAutograd, m) {
   m.impl("_rejection_sample_plan", &rejection_sample_plan);
 #ifdef SPECDEC_TRACE

@@ -1,6 +1,6 @@
 // Fused chain verification (docs/ALGORITHM.md): one launch per call, torch-free.
 //
-// Work units, numbered like the Triton kernel (specdec_kernels/triton_rejection_sample.py):
+// Work units, numbered like the Triton kernel (specdec_kernels/triton/chain.py):
 //   phase 1: unit (request b, row t, split s), t = 0..max_spec_len; units with t > n_b exit.
 //            Streams tiles [s * tiles_per_split, ...) of target row cu[b] + b + t once and
 //            writes an RsSplitRecord: max, sum of exp2((l - max) k), greedy argmax, and for
@@ -17,8 +17,8 @@
 // probabilities units are handed out by an atomic ticket in the order CTAs start, so a
 // phase-2 unit only waits for phase-1 units that already run: no deadlock.
 //
-// Block verification (docs/ALGORITHM.md §6; the kernel is a template on RsMethod, so token
-// verification compiles as before) changes only the decision and phase 2. Deterministic
+// Block verification (docs/ALGORITHM.md §6; the kernel is a template on RsMethod, so the token
+// instances compile none of it) changes only the decision and phase 2. Deterministic
 // drafts: the finalizer's decide_block computes tau from the same records (R_i is a scalar),
 // and row tau's recorded sample is the residual. Draft probabilities: phase-2 units are
 // (request b, draft row r, split s); each computes P_r (decide_block over rows 0..r), streams

@@ -49,7 +49,7 @@ enum RsMethod : int32_t {
   kRsMethodBlock = 1,  // block verification (Sun et al. 2024)
 };
 
-// The work decomposition, computed on the host (make_rejection_sample_plan).
+// The work decomposition, computed on the host (plan_rejection_sample).
 struct RejectionSamplePlan {
   int32_t num_chunks;
   int32_t num_tiles;
