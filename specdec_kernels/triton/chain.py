@@ -35,7 +35,8 @@ import triton.language as tl
 from ..reference.philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from . import config as _config
 from .common import (PROGRAMS_PER_SM, asm_table_enabled, gdc_launch_dependents, gdc_wait, pdl_enabled,
-                     philox_words, prefetch_tiles, row_split, sanitize, token_in_vocab, uniform, workspace)
+                     philox_words, prefetch_tiles, request_lenience, row_split, sanitize, token_in_vocab, uniform,
+                     workspace)
 from .filters import launch_row_thresholds, threshold_workspace_sizes
 from .stream import first_tile, kept_set_record, race_winner, row_table, store_table, stream_split, tile_lanes
 
@@ -311,9 +312,7 @@ def _rejection_sample_kernel(
         offset = tl.load(offsets_ptr + b).to(tl.int64)
     else:
         offset = tl.zeros([], tl.int64)
-    lam = tl.full([], 1.0, tl.float32)
-    if HAS_LENIENCE:
-        lam = tl.load(lenience_ptr + b)
+    lam = request_lenience(lenience_ptr, b, HAS_LENIENCE)
 
     if is_phase1:
         # Chunk tables are per (request, position) slot, not per row: a unit that streamed a

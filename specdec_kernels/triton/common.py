@@ -73,6 +73,17 @@ def token_in_vocab(x, vocab_size):
     return tl.where((x >= 0) & (x < vocab_size), x, -1).to(tl.int32)
 
 
+@triton.jit
+def request_lenience(lenience_ptr, b, HAS_LENIENCE: tl.constexpr):
+    """Request b's lenience l in (0, 1] as float32 (docs/ALGORITHM.md §8); 1 (exact) without
+    HAS_LENIENCE, when ``lenience_ptr`` is a placeholder that is never read. Inlined: an exact
+    kernel's code is that of one without lenience."""
+    lam = tl.full([], 1.0, tl.float32)
+    if HAS_LENIENCE:
+        lam = tl.load(lenience_ptr + b)
+    return lam
+
+
 _WORKSPACES: dict = {}
 
 

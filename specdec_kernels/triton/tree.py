@@ -26,7 +26,7 @@ import triton.language as tl
 from ..reference.philox import SAMPLE_CHUNK, STREAM_ACCEPT, STREAM_SAMPLE
 from . import config as _config
 from .common import (CU_BLOCK, PROGRAMS_PER_SM, asm_table_enabled, open_uniform, owner_request, philox_words,
-                     prefetch_tiles, row_split, sanitize, sanitized_cu, uniform, workspace)
+                     prefetch_tiles, request_lenience, row_split, sanitize, sanitized_cu, uniform, workspace)
 from .filters import launch_row_thresholds, threshold_workspace_sizes
 from .stream import first_tile, kept_set_record, row_table, stream_split, tile_lanes
 
@@ -298,9 +298,7 @@ def _tree_rejection_sample_kernel(
         if finalize:
             tl.debug_barrier()
             # The walk (docs/ALGORITHM.md §5), from the root; lenient requests relax its tests (§8).
-            lam = tl.full([], 1.0, tl.float32)
-            if HAS_LENIENCE:
-                lam = tl.load(lenience_ptr + b)
+            lam = request_lenience(lenience_ptr, b, HAS_LENIENCE)
             v = tl.zeros([], tl.int64)
             depth = tl.zeros([], tl.int32)
             out_tok = tl.full([DEPTH_PAD], -1, tl.int64)
