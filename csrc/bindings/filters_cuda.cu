@@ -125,11 +125,9 @@ ChainResult rejection_sample_cuda_filters(const at::Tensor& target_logits, const
           .findSchemaOrThrow("specdec::_rejection_sample_cuda_filtered", "")
           .typed<ChainResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                              const OptTensor&, const OptTensor&, int64_t, c10::string_view, const OptTensor&,
-                             const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                              const OptTensor&)>();
   return filtered.call(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature, seeds, offsets,
-                       max_spec_len, method, thresholds, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                       lenience);
+                       max_spec_len, method, thresholds, lenience);
 }
 
 TreeResult tree_rejection_sample_cuda_filters(const at::Tensor& target_logits, const at::Tensor& tokens,

@@ -1,8 +1,8 @@
 // Philox4x32-10 and the counter layout of docs/ALGORITHM.md §2 ("Random streams").
 //
 // Torch-free and __host__ __device__, so the same code is checked on the host against the
-// Random123 known-answer vectors. Keep in sync with specdec_kernels/philox.py (the torch
-// implementation the CPU reference uses) and specdec_kernels/triton_rejection_sample.py.
+// Random123 known-answer vectors. Keep in sync with specdec_kernels/reference/philox.py (the torch
+// implementation the CPU reference uses) and specdec_kernels/triton/common.py.
 #pragma once
 
 #include <cstdint>
