@@ -10,6 +10,9 @@ functions.
 
     python python_tests/triton_sm90_compile.py KERNEL [i/n]
 
+Besides the constexpr variants, each kernel is compiled once with every integer argument equal
+to 1, as Triton specializes it at run time (a Python int then, without tensor methods).
+
 KERNEL: chain, tree, filters_stats, filters_threshold, vocab_parallel or vocab_parallel_tree_fused. i/n: only every n-th variant from the i-th, to split a slow kernel
 over several tests.
 """
@@ -138,6 +141,18 @@ def compile_kernel(which: str, shard: str = "0/1") -> int:
                 while cause is not None:  # the nested call's error says what is wrong
                     print(f"caused by {type(cause).__name__}: {cause}", file=sys.stderr)
                     cause = cause.__cause__ or cause.__context__
+                return 1
+            count += 1
+        # Triton passes an integer argument equal to 1 as a constant (a Python int, no .to()):
+        # every integer argument at once, on the all-on variant (shard 0 only).
+        if index == 0:
+            values = {n: True if n in flags(constexprs) else constexpr_value(module, n) for n in constexprs}
+            ones = {n: 1 for n in fn.arg_names if n not in values and not n.endswith("_ptr")}
+            try:
+                compile_variant(module, fn, {**values, **ones}, "*bf16", 4)
+            except Exception as error:
+                print(f"FAILED {which} {kernel} with its integer arguments = 1: {type(error).__name__}: {error}",
+                      file=sys.stderr)
                 return 1
             count += 1
     print(f"compiled {which}: {count} variants for sm_90")

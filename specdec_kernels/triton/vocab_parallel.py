@@ -103,7 +103,7 @@ def _store_segment_stats(stats_ptr, i, S, sg, seg_base, count, inv_t, col0, lo, 
     pointer (collective 1's payload, [3 S + 2] per row)."""
     m, total, arg = _shard_row_stats(seg_base, count, inv_t, BLOCK)
     arg = tl.where(m > float("-inf"), arg + lo + col0, vocab_size)
-    out = stats_ptr + i.to(tl.int64) * (3 * S + 2)
+    out = stats_ptr + tl.cast(i, tl.int64) * (3 * S + 2)
     tl.store(out + 3 * sg, m)
     tl.store(out + 3 * sg + 1, total)
     tl.store(out + 3 * sg + 2, arg.to(tl.float32))  # ids travel as floats: exact below 2^24 (checked)
@@ -312,12 +312,13 @@ def _chain_final_totals_kernel(logits_ptr, l_stride, draft_probs_ptr, p_stride, 
 @triton.jit
 def _store_edges(edge_ptr, tot, c, j, c_first, n_chunks):
     """One row of collective 2's edges: the first chunk's sum and the fields that do not depend
-    on the sums by program 0, the last chunk's sum by the program that holds it."""
+    on the sums by program 0, the last chunk's sum by the program that holds it. (tl.cast, not
+    .to: Triton passes an integer argument equal to 1 as a Python int, which has no .to.)"""
     if j == 0:
-        tl.store(edge_ptr, c_first.to(tl.float32))
+        tl.store(edge_ptr, tl.cast(c_first, tl.float32))
         tl.store(edge_ptr + 1, tl.sum(tl.where(c == 0, tot, 0.0), 0))
-        tl.store(edge_ptr + 2, (c_first + n_chunks - 1).to(tl.float32))
-        tl.store(edge_ptr + 4, n_chunks.to(tl.float32))
+        tl.store(edge_ptr + 2, tl.cast(c_first + n_chunks - 1, tl.float32))
+        tl.store(edge_ptr + 4, tl.cast(n_chunks, tl.float32))
         if n_chunks <= 1:
             tl.store(edge_ptr + 3, 0.0)
     has_last = (c == n_chunks - 1) & (n_chunks > 1)
@@ -365,7 +366,7 @@ def _edge_masses(edges_ptr, w, B2, r, include, chunk):
     holds for ``chunk`` (a scalar or a vector of global chunk ids): (the first entry's mass, the
     last entry's mass), 0 where it is another chunk or ``include`` is false. Two terms, so
     callers add them in the torch path's order."""
-    e = edges_ptr + (w * B2 + r).to(tl.int64) * 5
+    e = edges_ptr + tl.cast(w * B2 + r, tl.int64) * 5
     ef = tl.load(e, mask=include, other=-1.0).to(tl.int64)
     el = tl.load(e + 2, mask=include, other=-1.0).to(tl.int64)
     cnt = tl.load(e + 4, mask=include, other=0.0)
@@ -388,7 +389,7 @@ def _race_winner(totals_ptr, edges_ptr, race_ptr, r, B2, W, my_rank, c_first, n_
     winner = tl.where(found, winner, 0.0).to(tl.int64)
     local_win = winner - c_first
     in_shard = found & (local_win >= 0) & (local_win < n_chunks)
-    win_total = tl.load(totals_ptr + r.to(tl.int64) * n_chunks + tl.where(in_shard, local_win, 0),
+    win_total = tl.load(totals_ptr + tl.cast(r, tl.int64) * n_chunks + tl.where(in_shard, local_win, 0),
                         mask=in_shard, other=0.0)
     before = tl.zeros([], tl.float32)  # the mass of the lower ranks' part of the winning chunk
     for v in tl.static_range(W_PAD):  # shards tile the vocabulary in rank order
