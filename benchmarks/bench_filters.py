@@ -28,6 +28,10 @@ SPECDEC_TRITON_* variables set the configs of the whole run (``config.from_env``
     python benchmarks/bench_filters.py --out bench_out            # the bar's configuration (+ fp32 + draft probs)
     python benchmarks/bench_filters.py --out bench_out --knobs    # + the knob sweep
     python benchmarks/bench_filters.py --out bench_out --batches 1,8,32,128 --scale 2,4
+    # issue #36's matrix (CUDA pass, T = 0.8, N(0, 3^2) logits):
+    python benchmarks/bench_filters.py --out bench_out --backends cuda --temperature 0.8 --scale 3 \
+        --batches 1,8,32,64,128 --vocab 32000,128256,151936 \
+        --settings "p0.9,k50 p0.9,k50,minp0.05,p0.9999,kV-64,mixed" --configs bf16,fp32+draft
 
 Writes <out>/bench_filters.csv (the long format of results_csv.py, one row per time: the filter
 setting in `filters`, a knob run's settings in `variant`; append it to
@@ -181,7 +185,7 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--batches", default="32")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--vocab", default="128256", help="comma list of vocabulary sizes")
     ap.add_argument("--scale", default="2", help="comma list of logit standard deviations")
     ap.add_argument("--temperature", type=float, default=1.0, help="every request's temperature")
     ap.add_argument("--backends", default="triton,cuda",
@@ -208,10 +212,11 @@ def main():
     unknown = [name for name in settings if name not in FILTER_SETTINGS]
     if unknown:
         ap.error(f"unknown --settings {unknown}; choose from {list(FILTER_SETTINGS)}")
+    vocabs = [int(v) for v in args.vocab.split(",")]
     os.makedirs(args.out, exist_ok=True)
     if args.profile_one:
         batch, (dtype, probs) = int(args.batches.split(",")[0]), configs[0]
-        inp = scaled_inputs(batch, args.k, args.vocab, dtype, probs, 0, float(args.scale.split(",")[0]))
+        inp = scaled_inputs(batch, args.k, vocabs[0], dtype, probs, 0, float(args.scale.split(",")[0]))
         run = op_call(inp, args.k, "triton", filter_tensors(batch, FILTER_SETTINGS[args.profile_one]))
         for _ in range(6):
             run()
@@ -225,103 +230,104 @@ def main():
           f"{verify_cfg} {filter_cfg}", flush=True)
     k = args.k
     rows = []
-    for scale in (float(s) for s in args.scale.split(",")):
-        for batch in (int(b) for b in args.batches.split(",")):
-            for dtype, probs in configs:
-                floor = floor_us(batch, k, args.vocab, dtype, probs, bandwidth)
-                set_bytes = batch * (k + 1) * args.vocab * (DTYPES[dtype].itemsize + (4 if probs else 0))
-                n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
-                sets = [scaled_inputs(batch, k, args.vocab, dtype, probs, seed, scale, args.temperature)
-                        for seed in range(n_sets)]
-                row_to_request = torch.repeat_interleave(torch.arange(batch, device="cuda"), k + 1)
+    for vocab in vocabs:
+        for scale in (float(s) for s in args.scale.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                for dtype, probs in configs:
+                    floor = floor_us(batch, k, vocab, dtype, probs, bandwidth)
+                    set_bytes = batch * (k + 1) * vocab * (DTYPES[dtype].itemsize + (4 if probs else 0))
+                    n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
+                    sets = [scaled_inputs(batch, k, vocab, dtype, probs, seed, scale, args.temperature)
+                            for seed in range(n_sets)]
+                    row_to_request = torch.repeat_interleave(torch.arange(batch, device="cuda"), k + 1)
 
-                def sort_only(inp):
-                    f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
-                    return lambda: sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
-                                               f["top_k"], f["top_p"])
+                    def sort_only(inp):
+                        f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
+                        return lambda: sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
+                                                   f["top_k"], f["top_p"])
 
-                def sort_then_triton(inp):
-                    f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
-                    ones = torch.ones_like(inp["temperature"])
+                    def sort_then_triton(inp):
+                        f = filter_tensors(batch, FILTER_SETTINGS["k50 p0.9"])
+                        ones = torch.ones_like(inp["temperature"])
 
-                    def run():
-                        masked = sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
-                                             f["top_k"], f["top_p"])
-                        return specdec_kernels.rejection_sample(
-                            masked, inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"], ones,
-                            inp["seeds"], inp["offsets"], k, backend="triton")
-                    return run
+                        def run():
+                            masked = sort_filter(inp["target_logits"], inp["temperature"], row_to_request,
+                                                 f["top_k"], f["top_p"])
+                            return specdec_kernels.rejection_sample(
+                                masked, inp["draft_token_ids"], inp["cu_num_draft_tokens"], inp["draft_probs"], ones,
+                                inp["seeds"], inp["offsets"], k, backend="triton")
+                        return run
 
-                backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-                if not cuda_built:
-                    backends = [b for b in backends if b != "cuda"]
-                variants = []
-                for backend in backends:
-                    variants.append((backend, lambda inp, be=backend: op_call(inp, k, be)))
-                    variants += [(f"{backend} {name}",
-                                  lambda inp, s=s, be=backend, name=name: op_call(
-                                      inputs_for_setting(inp, name), k, be, filter_tensors(batch, s, args.vocab)))
-                                 for name, s in FILTER_SETTINGS.items() if name in settings]
-                if not args.no_sort:
-                    variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
-                knob_runs = [{}]
-                if args.knobs:
-                    knob_runs += [dict(cap=cap, tile=tile) for cap in (64, 256, 512, 1024)
-                                  for tile in (4, 8, 16) if (cap, tile) != (filter_cfg.cap, filter_cfg.tile)]
-                for spec in filter(None, (r.strip() for r in args.knob_runs.split(";"))):
-                    knob_runs.append({n: int(v) for n, v in (kv.split("=") for kv in spec.split())})
-                base_graph = {}
-                for knobs in knob_runs:
-                    try:
-                        run_cfg = dataclasses.replace(filter_cfg, **knobs)
-                    except TypeError as error:
-                        raise SystemExit(f"--knob-runs: {error}") from None
-                    if knobs:
-                        label = " ".join(f"{n}={v}" for n, v in knobs.items())
-                        chosen = settings if args.knob_runs else ["k50 p0.9"]
-                        todo = [(f"triton {name} {label}",
-                                 lambda inp, s=FILTER_SETTINGS[name]: op_call(inp, k, "triton",
-                                                                             filter_tensors(batch, s)))
-                                for name in chosen]
-                    else:
-                        todo = variants
-                    with config.use(verify_cfg, run_cfg):
-                        for name, make in todo:
-                            eager = time_eager(make(sets[0]))
-                            graph = time_graph([make(s) for s in sets])
-                            if name in ("triton", "cuda", "auto"):
-                                base_graph[name] = graph
-                            base = base_graph.get(name.split()[0]) or base_graph.get("triton")
-                            row = dict(info, tag=args.tag, variant=name, B=batch, K=k, V=args.vocab, logits_dtype=dtype,
-                                       draft_probs="fp32" if probs else "none", logit_std=scale,
-                                       filter_cap=run_cfg.cap, filter_tile=run_cfg.tile,
-                                       floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
-                                       graph_over_floor=round(graph / floor, 3),
-                                       vs_unfiltered=round(graph / base, 3) if base else float("nan"),
-                                       eager_vs_graph_us=round(eager - graph, 2),
-                                       bandwidth_TBps=round(bandwidth / 1e12, 3))
-                            rows.append(row)
-                            print(f"B={batch:4d} K={k} V={args.vocab} {dtype} draft={row['draft_probs']:4s} "
-                                  f"std={scale:g} {name:34s} graph {graph:8.1f} us ({graph / floor:5.2f}x floor, "
-                                  f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
-                if args.breakdown:
-                    for name, make in variants:
-                        if name.startswith("sort"):
-                            continue
-                        for label, us in kernel_breakdown([make(s) for s in sets]):
-                            print(f"  breakdown B={batch} {dtype} draft={'fp32' if probs else 'none'} {name:22s} "
-                                  f"{label:34s} {us:8.1f} us/call", flush=True)
-                del sets
-                torch.cuda.empty_cache()
+                    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+                    if not cuda_built:
+                        backends = [b for b in backends if b != "cuda"]
+                    variants = []
+                    for backend in backends:
+                        variants.append((backend, lambda inp, be=backend: op_call(inp, k, be)))
+                        variants += [(f"{backend} {name}",
+                                      lambda inp, s=s, be=backend, name=name: op_call(
+                                          inputs_for_setting(inp, name), k, be, filter_tensors(batch, s, vocab)))
+                                     for name, s in FILTER_SETTINGS.items() if name in settings]
+                    if not args.no_sort:
+                        variants += [("sort only k50 p0.9", sort_only), ("sort+triton k50 p0.9", sort_then_triton)]
+                    knob_runs = [{}]
+                    if args.knobs:
+                        knob_runs += [dict(cap=cap, tile=tile) for cap in (64, 256, 512, 1024)
+                                      for tile in (4, 8, 16) if (cap, tile) != (filter_cfg.cap, filter_cfg.tile)]
+                    for spec in filter(None, (r.strip() for r in args.knob_runs.split(";"))):
+                        knob_runs.append({n: int(v) for n, v in (kv.split("=") for kv in spec.split())})
+                    base_graph = {}
+                    for knobs in knob_runs:
+                        try:
+                            run_cfg = dataclasses.replace(filter_cfg, **knobs)
+                        except TypeError as error:
+                            raise SystemExit(f"--knob-runs: {error}") from None
+                        if knobs:
+                            label = " ".join(f"{n}={v}" for n, v in knobs.items())
+                            chosen = settings if args.knob_runs else ["k50 p0.9"]
+                            todo = [(f"triton {name} {label}",
+                                     lambda inp, s=FILTER_SETTINGS[name]: op_call(inp, k, "triton",
+                                                                                 filter_tensors(batch, s)))
+                                    for name in chosen]
+                        else:
+                            todo = variants
+                        with config.use(verify_cfg, run_cfg):
+                            for name, make in todo:
+                                eager = time_eager(make(sets[0]))
+                                graph = time_graph([make(s) for s in sets])
+                                if name in ("triton", "cuda", "auto"):
+                                    base_graph[name] = graph
+                                base = base_graph.get(name.split()[0]) or base_graph.get("triton")
+                                row = dict(info, tag=args.tag, variant=name, B=batch, K=k, V=vocab, logits_dtype=dtype,
+                                           draft_probs="fp32" if probs else "none", logit_std=scale,
+                                           filter_cap=run_cfg.cap, filter_tile=run_cfg.tile,
+                                           floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
+                                           graph_over_floor=round(graph / floor, 3),
+                                           vs_unfiltered=round(graph / base, 3) if base else float("nan"),
+                                           eager_vs_graph_us=round(eager - graph, 2),
+                                           bandwidth_TBps=round(bandwidth / 1e12, 3))
+                                rows.append(row)
+                                print(f"B={batch:4d} K={k} V={vocab} {dtype} draft={row['draft_probs']:4s} "
+                                      f"std={scale:g} {name:34s} graph {graph:8.1f} us ({graph / floor:5.2f}x floor, "
+                                      f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
+                    if args.breakdown:
+                        for name, make in variants:
+                            if name.startswith("sort"):
+                                continue
+                            for label, us in kernel_breakdown([make(s) for s in sets]):
+                                print(f"  breakdown B={batch} {dtype} draft={'fp32' if probs else 'none'} {name:22s} "
+                                      f"{label:34s} {us:8.1f} us/call", flush=True)
+                    del sets
+                    torch.cuda.empty_cache()
 
     write_csv(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.csv"), result_rows(rows))
     lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
-             f"triton {info['triton']}, commit {info['commit']}. K = {k}, V = {args.vocab}. Times in us; graph = GPU time per call in a "
+             f"triton {info['triton']}, commit {info['commit']}. K = {k}. Times in us; graph = GPU time per call in a "
              "CUDA graph; (x) = graph time over the same backend's unfiltered graph time (the bar: <= 2x).", "",
-             "| B | logits | draft | std | variant | floor | graph | vs unfiltered | eager |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| V | B | logits | draft | std | variant | floor | graph | vs unfiltered | eager |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['logits_dtype']} | {r['draft_probs']} | {r['logit_std']:g} | {r['variant']} | "
+        lines.append(f"| {r['V']} | {r['B']} | {r['logits_dtype']} | {r['draft_probs']} | {r['logit_std']:g} | {r['variant']} | "
                      f"{r['floor_us']:.1f} | {r['graph_us']:.1f} | {r['vs_unfiltered']:.2f}x | {r['eager_us']:.1f} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.md"), "w") as f:
