@@ -125,34 +125,28 @@ def compile_kernel(which: str, shard: str = "0/1") -> int:
     for kernel in KERNELS[which][1]:
         fn = getattr(module, kernel)
         constexprs = [p.name for p in fn.params if p.is_constexpr]
-        for number, (setting, logits_type) in enumerate(variants(flags(constexprs))):
-            if number % shards != index:
-                continue
-            values = {n: setting.get(n, None) for n in constexprs}
-            for n in constexprs:
-                if values[n] is None:
-                    values[n] = constexpr_value(module, n)
+
+        def values_of(setting: dict) -> dict:
+            return {n: setting[n] if n in setting else constexpr_value(module, n) for n in constexprs}
+
+        jobs = [(f"{logits_type} {setting}", values_of(setting), logits_type)
+                for number, (setting, logits_type) in enumerate(variants(flags(constexprs)))
+                if number % shards == index]
+        if index == 0:
+            # Triton passes an integer argument equal to 1 as a constant (a Python int, no .to()):
+            # every integer argument at once, on the all-on variant.
+            values = values_of(dict.fromkeys(flags(constexprs), True))
+            ones = {n: 1 for n in fn.arg_names if n not in values and not n.endswith("_ptr")}
+            jobs.append(("*bf16 with its integer arguments = 1", {**values, **ones}, "*bf16"))
+        for label, values, logits_type in jobs:
             try:
                 compile_variant(module, fn, values, logits_type, 4)
             except Exception as error:  # report the variant, then fail
-                print(f"FAILED {which} {kernel} {logits_type} {setting}: {type(error).__name__}: {error}",
-                      file=sys.stderr)
+                print(f"FAILED {which} {kernel} {label}: {type(error).__name__}: {error}", file=sys.stderr)
                 cause = error.__cause__ or error.__context__
                 while cause is not None:  # the nested call's error says what is wrong
                     print(f"caused by {type(cause).__name__}: {cause}", file=sys.stderr)
                     cause = cause.__cause__ or cause.__context__
-                return 1
-            count += 1
-        # Triton passes an integer argument equal to 1 as a constant (a Python int, no .to()):
-        # every integer argument at once, on the all-on variant (shard 0 only).
-        if index == 0:
-            values = {n: True if n in flags(constexprs) else constexpr_value(module, n) for n in constexprs}
-            ones = {n: 1 for n in fn.arg_names if n not in values and not n.endswith("_ptr")}
-            try:
-                compile_variant(module, fn, {**values, **ones}, "*bf16", 4)
-            except Exception as error:
-                print(f"FAILED {which} {kernel} with its integer arguments = 1: {type(error).__name__}: {error}",
-                      file=sys.stderr)
                 return 1
             count += 1
     print(f"compiled {which}: {count} variants for sm_90")
