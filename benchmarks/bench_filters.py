@@ -204,7 +204,8 @@ def main():
                     help="also print each setting's GPU time per kernel (torch.profiler over eager calls): the "
                          "threshold pass's stats stream and search, and the verification kernel")
     ap.add_argument("--profile-one", default="",
-                    help="run only this --settings entry a few times at the first batch / config (for ncu)")
+                    help="run only this --settings entry a few times at the first batch / vocab / config, with the "
+                         "first of --backends (for ncu)")
     args = ap.parse_args()
     verify_cfg, filter_cfg = config.from_env()
     configs = [CONFIGS[c.strip()] for c in args.configs.split(",")]
@@ -216,8 +217,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if args.profile_one:
         batch, (dtype, probs) = int(args.batches.split(",")[0]), configs[0]
-        inp = scaled_inputs(batch, args.k, vocabs[0], dtype, probs, 0, float(args.scale.split(",")[0]))
-        run = op_call(inp, args.k, "triton", filter_tensors(batch, FILTER_SETTINGS[args.profile_one]))
+        inp = scaled_inputs(batch, args.k, vocabs[0], dtype, probs, 0, float(args.scale.split(",")[0]),
+                            args.temperature)
+        backend = args.backends.split(",")[0].strip()
+        run = op_call(inp, args.k, backend, filter_tensors(batch, FILTER_SETTINGS[args.profile_one], vocabs[0]))
         for _ in range(6):
             run()
         torch.cuda.synchronize()
