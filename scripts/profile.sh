@@ -14,6 +14,13 @@ what (any number, in the order given):
                         (tune_cuda_plan.py --profile-one op,B,dtype,probs[,backend]); default
                         "chain,1,bf16,none chain,32,bf16,none chain,128,bf16,none
                         tree,32,bf16,none chain,32,bf16,none,triton"
+  --ncu-thresholds ["SHAPES"]
+                        Nsight Compute of the CUDA threshold pass (row_threshold_kernel) with
+                        source counters: one launch per shape SETTING/B[/V] (bench_filters.py
+                        --profile-one with --backends cuda, T = 0.8, N(0, 3^2) bf16 logits; SETTING
+                        with "_" for spaces, e.g. k50_p0.9); the report and its per-SASS-line
+                        CSV (ncu --page source) in the output folder. Default "p0.9/1 p0.9/128
+                        k50_p0.9/32"
   --trace               a copy of this tree built with -DSPECDEC_TRACE in /tmp/trace
                         (scripts/build.sh --in), then benchmarks/trace_chain_timeline.py: per-CTA
                         timelines of the CUDA chain kernel; --trace-shapes "S;S", --trace-args "ARGS"
@@ -34,12 +41,14 @@ cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
 steps=(); out=${OUT:-gpu_out}; limit=""; tune_args=""; archs=""; trace_shapes=""; trace_args=""; sass_args=""
+thr_shapes="p0.9/1 p0.9/128 k50_p0.9/32"
 shapes="chain,1,bf16,none chain,32,bf16,none chain,128,bf16,none tree,32,bf16,none chain,32,bf16,none,triton"
 while [ $# -gt 0 ]; do
   case $1 in
     --plan-sweep) steps+=(plan_sweep) ;;
     --tune-args) tune_args=$2; shift ;;
     --ncu) steps+=(ncu); case ${2:-} in ""|-*) ;; *) shapes=$2; shift ;; esac ;;
+    --ncu-thresholds) steps+=(ncu_thresholds); case ${2:-} in ""|-*) ;; *) thr_shapes=$2; shift ;; esac ;;
     --trace) steps+=(trace) ;;
     --trace-shapes) trace_shapes=$2; shift ;;
     --trace-args) trace_args=$2; shift ;;
@@ -79,6 +88,24 @@ run_ncu() {
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats \
       "$py" benchmarks/tune_cuda_plan.py --profile-one "$shape" >>"$LOG" 2>&1 || echo "ncu $shape failed: $?" | tee -a "$LOG"
+  done
+}
+run_ncu_thresholds() {
+  require_built "$py"
+  command -v ncu >/dev/null 2>&1 || die "ncu (Nsight Compute) is not on PATH"
+  local shape setting batch vocab name
+  for shape in $thr_shapes; do
+    IFS=/ read -r setting batch vocab <<<"$shape"
+    name=thr_${setting}_B${batch}_V${vocab:-128256}
+    echo "=== ncu $name" >>"$LOG"
+    limited "$limit" ncu --clock-control none -k regex:row_threshold --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SourceCounters --section SchedulerStats -f -o "$out/$name" \
+      "$py" benchmarks/bench_filters.py --backends cuda --profile-one "${setting//_/ }" --batches "$batch" \
+      --vocab "${vocab:-128256}" --temperature 0.8 --scale 3 --configs bf16 >>"$LOG" 2>&1 \
+      || { echo "ncu $name failed: $?" | tee -a "$LOG"; continue; }
+    ncu -i "$out/$name.ncu-rep" >"$out/$name.txt" 2>&1 || true
+    ncu -i "$out/$name.ncu-rep" --page source --csv --print-source sass >"$out/$name.sass.csv" 2>>"$LOG" || true
   done
 }
 run_trace() {
