@@ -12,6 +12,11 @@
 //   bin's key range into kThrBins digits, until the range is one float: at most 1 + 4 levels per
 //   selection, whatever the row. After level 0 each CTA keeps the chosen bin's entries in a short
 //   list (when they fit), so later levels read a handful of entries, not the slice.
+// - the finish: once the chosen bin holds at most kThrFinishCap members in the whole cluster (on
+//   most rows right after level 0), every CTA gathers them -- or every member at or above the bin,
+//   when those fit -- and ranks them itself: one pass and one cluster barrier instead of the
+//   remaining levels. When top-k finished on every member at or above its bin, top-p on what it
+//   kept is read off the same ranked candidates, without a pass of its own.
 // - min-p: closed form, a bisection on the float bits (no memory traffic).
 //
 // Counts and masses are integers (mass: exp2((l - M) k) in fixed point, 2^-40 units), summed
@@ -43,6 +48,11 @@ constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probabi
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
 constexpr int kThrListCap = 2048;  // entries of a CTA's short list after level 0
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
+constexpr int kThrLoadUnroll = 4;  // 16-byte loads in flight per thread while a slice loads
+// A selection finishes on its candidates (the chosen bin's members, or every member at or above
+// it) once the cluster holds at most this many: every CTA gathers them all and ranks them itself.
+constexpr int kThrFinishCap = 128;
+constexpr int kThrFinishParts = kThrThreads / kThrFinishCap;  // threads per candidate when ranking
 
 struct RowThresholdParams {
   const void* logits;   // [num_rows, vocab] of T, unit inner stride
@@ -114,6 +124,12 @@ struct Shared {
   unsigned long long red_mass[3][kThrBinsPerRank];
   uint32_t list[kThrListCap];
   int list_n;
+  // The finish: this CTA's gathered candidates (read by the whole cluster), then all of them.
+  uint32_t fin_key[kThrFinishCap];
+  int fin_n;
+  int fin_rank_n[kThrCluster];
+  uint32_t cand_key[kThrFinishCap];
+  unsigned long long cand_mass[kThrFinishCap];
   float cta_max;
   float warp_f[kThrWarps];
   unsigned long long warp_u64[kThrWarps];
@@ -169,6 +185,16 @@ __device__ __forceinline__ void block_scan(unsigned int& c, unsigned long long& 
   __syncthreads();
 }
 
+__device__ __forceinline__ uint32_t block_max_u32(uint32_t v, Shared& sm) {
+  v = __reduce_max_sync(kFullMask, v);
+  if ((threadIdx.x & 31) == 0) sm.warp_u32[threadIdx.x >> 5] = v;
+  __syncthreads();
+  uint32_t r = sm.warp_u32[0];
+  for (int w = 1; w < kThrWarps; ++w) r = max(r, sm.warp_u32[w]);
+  __syncthreads();
+  return r;
+}
+
 // Sums of a per-thread count and mass over the warp, added by lane 0 to bin `bin`.
 __device__ __forceinline__ void warp_add_to_bin(unsigned int c, unsigned long long m, unsigned int* cnt,
                                                 unsigned long long* mass, int bin) {
@@ -184,12 +210,16 @@ __device__ __forceinline__ void warp_add_to_bin(unsigned int c, unsigned long lo
 
 // The state of one selection: the answer's key lies in [lo, hi]; cnt_above / mass_above count
 // the keys above hi (and >= the floor); goal_mass is top-p's goal once level 0 knows the total.
+// A selection that finished on every member at or above its last bin (all_above) leaves them
+// ranked in shared memory (gather_candidates): top-p after top-k reads them there.
 struct Selection {
   uint32_t lo, hi;
   unsigned long long mass_above;
   unsigned int cnt_above;
   bool level0;
   double goal_mass;
+  bool all_above;
+  int candidates;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -233,11 +263,137 @@ __device__ __forceinline__ void for_each_entry(const T* slice, int n, Visit&& vi
   }
 }
 
+// Which entries a finish gathers: keys >= floor and, by_bin, level-0 bins in [bin_lo, bin_hi],
+// else keys in [lo, hi].
+struct CandidateRange {
+  bool by_bin;
+  int bin_lo, bin_hi;
+  uint32_t lo, hi, floor;
+  float row_max, k_bins;
+  __device__ __forceinline__ bool holds(uint32_t key, float x) const {
+    if (key < floor) return false;
+    if (by_bin) {
+      const int b = log_bin(x, row_max, k_bins);
+      return b >= bin_lo && b <= bin_hi;
+    }
+    return key >= lo && key <= hi;
+  }
+};
+
+// The end of a selection, once the cluster's candidates are few (<= kThrFinishCap, which the
+// level's counts guarantee): each CTA appends its candidates (in `range`, from its slice or its
+// list) to fin_key; after a cluster barrier every CTA copies all of them, with their
+// masses, into cand_key / cand_mass and ranks each against all (kThrFinishParts threads per
+// candidate): cnt[t] / mass[t] become the count / mass of the candidates with key >= cand_key[t]
+// (the level's histogram arrays are free once it was combined). Returns the number of candidates.
+// The next writer of fin_key runs after the next level's cluster barrier, so after every reader.
+template <typename T>
+__device__ int gather_candidates(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
+                                 bool from_list, const CandidateRange range, float row_max, float k) {
+  if (threadIdx.x == 0) sm.fin_n = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  // Called by whole warps: one shared atomic per warp for the appends.
+  auto append = [&](bool valid, float x) {
+    const uint32_t key = key_of(x);
+    const bool take = valid && range.holds(key, x);
+    const unsigned ballot = __ballot_sync(kFullMask, take);
+    int base = 0;
+    if (lane == 0 && ballot != 0) base = atomicAdd(&sm.fin_n, __popc(ballot));
+    base = __shfl_sync(kFullMask, base, 0);
+    const int at = base + __popc(ballot & ((1u << lane) - 1u));
+    if (take && at < kThrFinishCap) sm.fin_key[at] = key;
+  };
+  if (from_list) {
+    const int count = sm.list_n;
+    const int rounded = (count + 31) & ~31;
+    for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
+      const bool ok = i < count;
+      append(ok, ok ? value_of(sm.list[i]) : -INFINITY);
+    }
+  } else {
+    for_each_entry(slice, n, append);
+  }
+  cluster.sync();
+  if (threadIdx.x < kThrCluster) {
+    sm.fin_rank_n[threadIdx.x] = min(cluster.map_shared_rank(&sm.fin_n, static_cast<int>(threadIdx.x))[0],
+                                     kThrFinishCap);
+  }
+  __syncthreads();
+  int total = 0;
+  for (int q = 0; q < kThrCluster; ++q) {
+    const int t = static_cast<int>(threadIdx.x) - total;
+    if (t >= 0 && t < sm.fin_rank_n[q] && threadIdx.x < kThrFinishCap) {
+      const uint32_t key = cluster.map_shared_rank(&sm.fin_key[0], q)[t];
+      sm.cand_key[threadIdx.x] = key;
+      sm.cand_mass[threadIdx.x] = mass_of(value_of(key), row_max, k);
+    }
+    total += sm.fin_rank_n[q];
+  }
+  total = min(total, kThrFinishCap);
+  __syncthreads();
+  // Partial ranks: candidate i against the part-th share of the candidates.
+  const int i = threadIdx.x % kThrFinishCap, part = threadIdx.x / kThrFinishCap;
+  const int share = (total + kThrFinishParts - 1) / kThrFinishParts;
+  unsigned int c = 0;
+  unsigned long long m = 0;
+  if (i < total) {
+    const uint32_t key = sm.cand_key[i];
+    const int end = min(total, (part + 1) * share);
+    for (int j = part * share; j < end; ++j) {
+      if (sm.cand_key[j] >= key) {
+        c += 1;
+        m += sm.cand_mass[j];
+      }
+    }
+  }
+  sm.cnt[threadIdx.x] = c;
+  sm.mass[threadIdx.x] = m;
+  __syncthreads();
+  if (threadIdx.x < total) {
+    for (int q = 1; q < kThrFinishParts; ++q) {
+      c += sm.cnt[q * kThrFinishCap + threadIdx.x];
+      m += sm.mass[q * kThrFinishCap + threadIdx.x];
+    }
+    sm.cnt[threadIdx.x] = c;
+    sm.mass[threadIdx.x] = m;
+  }
+  __syncthreads();
+  return total;
+}
+
+// The largest ranked candidate key whose count (by_mass: mass) at or above it, plus the base,
+// reaches the goal (the same comparisons as the levels'); 0 (below every key) when none does.
+__device__ inline uint32_t largest_reaching(Shared& sm, int total, bool by_mass, unsigned int base_cnt,
+                                            unsigned int goal_cnt, unsigned long long base_mass, double goal_mass) {
+  uint32_t best = 0;
+  for (int t = threadIdx.x; t < total; t += kThrThreads) {
+    const bool reached = by_mass ? static_cast<double>(base_mass + sm.mass[t]) >= goal_mass
+                                 : base_cnt + sm.cnt[t] >= goal_cnt;
+    if (reached) best = max(best, sm.cand_key[t]);
+  }
+  return block_max_u32(best, sm);
+}
+
+// Top-p on what top-k kept, when top-k's selection finished on every member at or above its bin
+// (sel.all_above): the kept set (keys >= k_key) lies among the ranked candidates, so the goal
+// (p times its mass) and the answer come from them, without another pass over the row.
+__device__ inline uint32_t top_p_on_ranked(Shared& sm, int total, uint32_t k_key, double goal_fraction) {
+  for (int t = threadIdx.x; t < total; t += kThrThreads) {
+    if (sm.cand_key[t] == k_key) sm.pick_mass_incl = sm.mass[t];  // ties: the same value
+  }
+  __syncthreads();
+  const double goal = goal_fraction * static_cast<double>(sm.pick_mass_incl);
+  __syncthreads();
+  const uint32_t key = largest_reaching(sm, total, true, 0u, 0u, 0ull, goal);
+  return key >= k_key ? key : k_key;
+}
+
 // One level of a selection: histogram this CTA's members, combine the cluster's histograms,
 // pick the bin that holds the answer (the same pick on every CTA: the same integers in the same
 // order), narrow the selection to it. by_mass: the goal is on the mass (top-p: goal_fraction of
 // the mass at or above the floor), else on the count (top-k: goal_cnt). Returns true when the
-// selection is done: sel.lo is the answer's key and sel.mass_above the mass at or above it.
+// selection is done: sel.lo is the answer's key.
 template <typename T>
 __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                              int level, uint32_t floor_key, Selection& sel, bool need_mass, bool by_mass,
@@ -362,8 +518,30 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   __syncthreads();
   sel.cnt_above += sm.pick_cnt_incl - sm.pick_cnt;
   sel.mass_above += sm.pick_mass_incl - sm.pick_mass;
+  const unsigned int picked_cnt = sm.pick_cnt;
   const unsigned long long picked_mass = sm.pick_mass;
   __syncthreads();
+  // Few candidates left: finish on them, with every member at or above the bin when they fit
+  // (top-p after top-k then needs no pass of its own), else with the bin's members.
+  const bool all_above = sel.cnt_above + picked_cnt <= static_cast<unsigned>(kThrFinishCap);
+  if (all_above || picked_cnt <= static_cast<unsigned>(kThrFinishCap)) {
+    CandidateRange range{sel.level0, all_above ? 0 : pick, pick, 0u, 0xFFFFFFFFu, floor_key, row_max, k_bins};
+    if (!sel.level0) {
+      const uint64_t lo = static_cast<uint64_t>(sel.lo) + (static_cast<uint64_t>(kThrBins - 1 - pick) << shift);
+      const uint64_t hi = lo + ((uint64_t{1} << shift) - 1);
+      range.lo = static_cast<uint32_t>(lo);
+      if (!all_above) range.hi = static_cast<uint32_t>(hi < sel.hi ? hi : sel.hi);
+    }
+    const int total = gather_candidates<T>(cluster, sm, slice, n, use_list && !all_above && !sel.level0, range,
+                                           row_max, k);
+    const uint32_t key = all_above ? largest_reaching(sm, total, by_mass, 0u, goal_cnt, 0ull, sel.goal_mass)
+                                   : largest_reaching(sm, total, by_mass, sel.cnt_above, goal_cnt, sel.mass_above,
+                                                      sel.goal_mass);
+    sel.lo = key != 0 ? key : floor_key;  // none reaches (cannot happen: the bin did): keep all
+    sel.all_above = all_above && key != 0;
+    sel.candidates = total;
+    return true;
+  }
   if (sel.level0) {
     // Bin `pick`'s key range, by bisection on log_bin (the same float arithmetic as the pass).
     const uint32_t top = key_of(row_max);
@@ -385,17 +563,19 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
 }
 
 // A whole selection (top-k: by count; top-p: by mass), from level 0 over the slice: the answer's
-// key; *mass_at_or_above gets the mass of the keys >= it (and >= floor_key).
+// key. *ranked_above: the selection finished on every member at or above its bin, now ranked in
+// shared memory (*candidates of them; see top_p_on_ranked).
 template <typename T>
-__device__ uint32_t select_key(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
+__device__ __noinline__ uint32_t select_key(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                                int& level, uint32_t floor_key, bool need_mass, bool by_mass, unsigned int goal_cnt,
-                               double goal_fraction, float row_max, float k, unsigned long long* mass_at_or_above) {
-  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0};
+                               double goal_fraction, float row_max, float k, bool* ranked_above, int* candidates) {
+  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0, false, 0};
   bool use_list = false;
   while (!select_level<T>(cluster, sm, slice, n, level++, floor_key, sel, need_mass, by_mass, goal_cnt,
                           goal_fraction, row_max, k, use_list)) {
   }
-  *mass_at_or_above = sel.mass_above;
+  *ranked_above = sel.all_above;
+  *candidates = sel.candidates;
   return sel.lo;
 }
 
@@ -464,9 +644,10 @@ __device__ inline uint32_t min_p_key(float row_max, float k, float min_p) {
 }  // namespace thr_detail
 
 // One cluster of kThrCluster CTAs per slot (blockIdx.x / kThrCluster); launched with the cluster
-// dimension by launch_row_thresholds. Dynamic shared memory: p.slice entries of T.
+// dimension by launch_row_thresholds. Dynamic shared memory: p.slice entries of T. Two CTAs per
+// SM (64 registers): the clusters of many rows share the SMs.
 template <typename T>
-__global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThresholdParams p) {
+__global__ void __launch_bounds__(kThrThreads, 2) row_threshold_kernel(const RowThresholdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   using namespace thr_detail;
@@ -491,13 +672,25 @@ __global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThr
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   int done = 0;
   if (p.vectorized) {
+    // kThrLoadUnroll loads in flight per thread before any is used: a slice is a few of them.
     const int n_vec = n / kVec;
-    for (int i = threadIdx.x; i < n_vec; i += kThrThreads) {
-      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src) + i);
-      reinterpret_cast<uint4*>(slice)[i] = v;
-      const T* e = reinterpret_cast<const T*>(&v);
+    for (int base = threadIdx.x; base < n_vec; base += kThrThreads * kThrLoadUnroll) {
+      uint4 v[kThrLoadUnroll];
 #pragma unroll
-      for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
+      for (int u = 0; u < kThrLoadUnroll; ++u) {
+        const int i = base + u * kThrThreads;
+        v[u] = i < n_vec ? __ldcg(reinterpret_cast<const uint4*>(src) + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < kThrLoadUnroll; ++u) {
+        const int i = base + u * kThrThreads;
+        if (i < n_vec) {
+          reinterpret_cast<uint4*>(slice)[i] = v[u];
+          const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+          for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
+        }
+      }
     }
     done = n_vec * kVec;
   }
@@ -519,16 +712,24 @@ __global__ void __launch_bounds__(kThrThreads) row_threshold_kernel(const RowThr
   if (row_max > -INFINITY) {
     int level = 0;
     uint32_t k_key = kKeyNegInf;
-    unsigned long long unused = 0;
+    bool k_ranked = false;
+    int k_candidates = 0;
     if (f.k_on) {
       k_key = select_key<T>(cluster, sm, slice, n, level, kKeyNegInf, false, false, static_cast<unsigned>(f.top_k),
-                            0.0, row_max, f.k, &unused);
+                            0.0, row_max, f.k, &k_ranked, &k_candidates);
     }
     uint32_t p_key = kKeyNegInf;
     if (f.p_on) {
       // top-p on what top-k kept: the floor is t_k; p <= 0 keeps the top token(s) (goal 0).
-      p_key = select_key<T>(cluster, sm, slice, n, level, k_key, true, true, 0u,
-                            static_cast<double>(fmaxf(f.top_p, 0.0f)), row_max, f.k, &unused);
+      const double goal_fraction = static_cast<double>(fmaxf(f.top_p, 0.0f));
+      if (k_ranked) {
+        p_key = top_p_on_ranked(sm, k_candidates, k_key, goal_fraction);
+      } else {
+        bool ranked;
+        int candidates;
+        p_key = select_key<T>(cluster, sm, slice, n, level, k_key, true, true, 0u, goal_fraction, row_max, f.k,
+                              &ranked, &candidates);
+      }
     }
     const uint32_t mp_key = f.mp_on ? min_p_key(row_max, f.k, f.min_p) : kKeyNegInf;
     t_key = max(max(k_key, p_key), mp_key);
