@@ -19,7 +19,9 @@ search, the verification kernel); ``--profile-one SETTING`` runs only that call 
 
 Times as in bench_rejection_sample.py: ``graph`` = GPU time per call from a CUDA graph of
 several calls on distinct input sets (L2 flushed before each replay), ``eager`` = the Python
-call. ``vs_unfiltered`` = graph time over the unfiltered Triton graph time of the same
+call (L2 flushed before each). ``graph1`` = a graph of that one call (the eager call's conditions:
+cold L2, no neighbouring call to overlap with); ``host`` = the host time per eager call (calls
+queued back to back): below the GPU time, eager calls are GPU-bound. ``vs_unfiltered`` = graph time over the unfiltered Triton graph time of the same
 configuration. ``--knobs`` also times the filtered call for several FilterConfig cap / tile
 values (specdec_kernels/triton/config.py; each is a separate compile); ``--knob-runs`` times the
 chosen settings under explicit FilterConfig field sets, e.g. ``"maxnreg=0;maxnreg=128 pivot_tile=1"``.
@@ -44,6 +46,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -73,7 +76,8 @@ def result_rows(rows: list[dict]) -> list[dict]:
         variant = "; ".join(x for x in (run["variant"], knob and f"knobs {knob}") if x)
         out.append(dict(run, **dict(r, variant=variant), backend=backend, op="chain", method="token",
                         filters=" ".join(w for w in words if "=" not in w) or "unfiltered"))
-    return results_csv.long_rows(out, {"graph": "graph_us", "eager": "eager_us"}, drop=("graph_over_floor", "eager_vs_graph_us"))
+    return results_csv.long_rows(out, {"graph": "graph_us", "eager": "eager_us", "graph1": "graph1_us", "host": "host_us"},
+                                 drop=("graph_over_floor", "eager_vs_graph_us"))
 
 FILTER_SETTINGS = {
     # name: (top_k, top_p, min_p); None = the argument not passed
@@ -120,6 +124,19 @@ def kernel_breakdown(fns, calls: int = 32) -> list[tuple[str, float]]:
         if total > 0 and e.count >= calls:
             out.append((e.key[:34], total / calls))
     return sorted(out, key=lambda kv: -kv[1])
+
+
+def time_host(fn, calls: int = 50) -> float:
+    """Host time per call (us): `calls` calls back to back without waiting for the GPU, whose
+    launch queue absorbs them. Below the GPU time, an eager call is GPU-bound."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
 
 
 def filter_tensors(batch: int, setting, vocab: int = 0) -> dict:
@@ -298,6 +315,8 @@ def main():
                             for name, make in todo:
                                 eager = time_eager(make(sets[0]))
                                 graph = time_graph([make(s) for s in sets])
+                                graph1 = time_graph([make(sets[0])])
+                                host = time_host(make(sets[0]))
                                 if name in ("triton", "cuda", "auto"):
                                     base_graph[name] = graph
                                 base = base_graph.get(name.split()[0]) or base_graph.get("triton")
@@ -305,6 +324,7 @@ def main():
                                            draft_probs="fp32" if probs else "none", logit_std=scale,
                                            filter_cap=run_cfg.cap, filter_tile=run_cfg.tile,
                                            floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
+                                           graph1_us=round(graph1, 2), host_us=round(host, 2),
                                            graph_over_floor=round(graph / floor, 3),
                                            vs_unfiltered=round(graph / base, 3) if base else float("nan"),
                                            eager_vs_graph_us=round(eager - graph, 2),
@@ -312,7 +332,8 @@ def main():
                                 rows.append(row)
                                 print(f"B={batch:4d} K={k} V={vocab} {dtype} draft={row['draft_probs']:4s} "
                                       f"std={scale:g} {name:34s} graph {graph:8.1f} us ({graph / floor:5.2f}x floor, "
-                                      f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us", flush=True)
+                                      f"{row['vs_unfiltered']:5.2f}x unfiltered)  eager {eager:8.1f} us  "
+                                      f"graph1 {graph1:8.1f} us  host {host:6.1f} us", flush=True)
                     if args.breakdown:
                         for name, make in variants:
                             if name.startswith("sort"):
@@ -327,11 +348,12 @@ def main():
     lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, "
              f"triton {info['triton']}, commit {info['commit']}. K = {k}. Times in us; graph = GPU time per call in a "
              "CUDA graph; (x) = graph time over the same backend's unfiltered graph time (the bar: <= 2x).", "",
-             "| V | B | logits | draft | std | variant | floor | graph | vs unfiltered | eager |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| V | B | logits | draft | std | variant | floor | graph | vs unfiltered | eager | graph1 | host |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['V']} | {r['B']} | {r['logits_dtype']} | {r['draft_probs']} | {r['logit_std']:g} | {r['variant']} | "
-                     f"{r['floor_us']:.1f} | {r['graph_us']:.1f} | {r['vs_unfiltered']:.2f}x | {r['eager_us']:.1f} |")
+                     f"{r['floor_us']:.1f} | {r['graph_us']:.1f} | {r['vs_unfiltered']:.2f}x | {r['eager_us']:.1f} | "
+                     f"{r['graph1_us']:.1f} | {r['host_us']:.1f} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, f"bench_filters{'_' + args.tag if args.tag else ''}.md"), "w") as f:
         f.write(table)
