@@ -46,7 +46,10 @@ constexpr int kThrDigitBits = 9;  // log2(kThrBins): a sub-level's digit
 constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
 constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
-constexpr int kThrListCap = 2048;  // entries of a CTA's short list after level 0
+constexpr int kThrListCap = 2048;  // entries of a CTA's short list
+// Level 0 lists the entries of its first kThrListBins bins (probabilities within 2^-16 of the
+// max), so that a pick among them needs no pass over the slice afterwards.
+constexpr int kThrListBins = 256;
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
 constexpr int kThrLoadUnroll = 4;  // 16-byte loads in flight per thread while a slice loads
 // A selection finishes on its candidates (the chosen bin's members, or every member at or above
@@ -115,7 +118,10 @@ __device__ __forceinline__ unsigned long long mass_of(float x, float row_max, fl
 
 struct Shared {
   unsigned int cnt[kThrBins];  // this CTA's histogram of the level
-  unsigned long long mass[kThrBins];
+  // Its masses, as two 32-bit halves: sm_90's 64-bit shared atomic add is a compare-and-swap
+  // loop (retried ~4 times per entry under the level's contention), a 32-bit one is one
+  // instruction. mass = mass_hi * 2^32 + mass_lo, the low half's wrap-arounds carried up.
+  unsigned int mass_lo[kThrBins], mass_hi[kThrBins];
   // The cluster's histogram, bins [rank * kThrBinsPerRank, ...) on CTA `rank`: the CTAs add theirs
   // into it with distributed-shared-memory atomics. Three buffers, level L using L % 3: one
   // cluster barrier per level suffices (a buffer is zeroed by its owner one level before its use,
@@ -130,6 +136,7 @@ struct Shared {
   int fin_rank_n[kThrCluster];
   uint32_t cand_key[kThrFinishCap];
   unsigned long long cand_mass[kThrFinishCap];
+  unsigned long long rank_mass[kThrThreads];  // the ranks' masses (their counts: cnt)
   float cta_max;
   float warp_f[kThrWarps];
   unsigned long long warp_u64[kThrWarps];
@@ -195,16 +202,28 @@ __device__ __forceinline__ uint32_t block_max_u32(uint32_t v, Shared& sm) {
   return r;
 }
 
+// A mass into bin `bin` of this CTA's histogram (Shared::mass_lo / mass_hi): the low half's
+// atomic returns the old sum, so the one add that wraps it around knows to carry.
+__device__ __forceinline__ void add_mass(Shared& sm, int bin, unsigned long long m) {
+  const unsigned int lo = static_cast<unsigned int>(m);
+  const unsigned int old = atomicAdd(&sm.mass_lo[bin], lo);
+  const unsigned int hi = static_cast<unsigned int>(m >> 32) + (old + lo < old ? 1u : 0u);
+  if (hi != 0) atomicAdd(&sm.mass_hi[bin], hi);
+}
+
+__device__ __forceinline__ unsigned long long bin_mass(const Shared& sm, int bin) {
+  return (static_cast<unsigned long long>(sm.mass_hi[bin]) << 32) | sm.mass_lo[bin];
+}
+
 // Sums of a per-thread count and mass over the warp, added by lane 0 to bin `bin`.
-__device__ __forceinline__ void warp_add_to_bin(unsigned int c, unsigned long long m, unsigned int* cnt,
-                                                unsigned long long* mass, int bin) {
+__device__ __forceinline__ void warp_add_to_bin(unsigned int c, unsigned long long m, Shared& sm, int bin) {
   for (int o = 16; o > 0; o >>= 1) {
     c += __shfl_xor_sync(kFullMask, c, o);
     m += __shfl_xor_sync(kFullMask, m, o);
   }
   if ((threadIdx.x & 31) == 0 && c > 0) {
-    atomicAdd(&cnt[bin], c);
-    atomicAdd(&mass[bin], m);
+    atomicAdd(&sm.cnt[bin], c);
+    add_mass(sm, bin, m);
   }
 }
 
@@ -220,6 +239,9 @@ struct Selection {
   double goal_mass;
   bool all_above;
   int candidates;
+  // This CTA's list holds every member of the range (use_list), and also every member above it
+  // (list_all_above: level 0's list of its first bins).
+  bool use_list, list_all_above;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -284,8 +306,8 @@ struct CandidateRange {
 // level's counts guarantee): each CTA appends its candidates (in `range`, from its slice or its
 // list) to fin_key; after a cluster barrier every CTA copies all of them, with their
 // masses, into cand_key / cand_mass and ranks each against all (kThrFinishParts threads per
-// candidate): cnt[t] / mass[t] become the count / mass of the candidates with key >= cand_key[t]
-// (the level's histogram arrays are free once it was combined). Returns the number of candidates.
+// candidate): cnt[t] / rank_mass[t] become the count / mass of the candidates with key >=
+// cand_key[t] (the level's count array is free once it was combined). Returns the number of candidates.
 // The next writer of fin_key runs after the next level's cluster barrier, so after every reader.
 template <typename T>
 __device__ int gather_candidates(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
@@ -348,15 +370,15 @@ __device__ int gather_candidates(cooperative_groups::cluster_group& cluster, Sha
     }
   }
   sm.cnt[threadIdx.x] = c;
-  sm.mass[threadIdx.x] = m;
+  sm.rank_mass[threadIdx.x] = m;
   __syncthreads();
   if (threadIdx.x < total) {
     for (int q = 1; q < kThrFinishParts; ++q) {
       c += sm.cnt[q * kThrFinishCap + threadIdx.x];
-      m += sm.mass[q * kThrFinishCap + threadIdx.x];
+      m += sm.rank_mass[q * kThrFinishCap + threadIdx.x];
     }
     sm.cnt[threadIdx.x] = c;
-    sm.mass[threadIdx.x] = m;
+    sm.rank_mass[threadIdx.x] = m;
   }
   __syncthreads();
   return total;
@@ -368,7 +390,7 @@ __device__ inline uint32_t largest_reaching(Shared& sm, int total, bool by_mass,
                                             unsigned int goal_cnt, unsigned long long base_mass, double goal_mass) {
   uint32_t best = 0;
   for (int t = threadIdx.x; t < total; t += kThrThreads) {
-    const bool reached = by_mass ? static_cast<double>(base_mass + sm.mass[t]) >= goal_mass
+    const bool reached = by_mass ? static_cast<double>(base_mass + sm.rank_mass[t]) >= goal_mass
                                  : base_cnt + sm.cnt[t] >= goal_cnt;
     if (reached) best = max(best, sm.cand_key[t]);
   }
@@ -380,7 +402,7 @@ __device__ inline uint32_t largest_reaching(Shared& sm, int total, bool by_mass,
 // (p times its mass) and the answer come from them, without another pass over the row.
 __device__ inline uint32_t top_p_on_ranked(Shared& sm, int total, uint32_t k_key, double goal_fraction) {
   for (int t = threadIdx.x; t < total; t += kThrThreads) {
-    if (sm.cand_key[t] == k_key) sm.pick_mass_incl = sm.mass[t];  // ties: the same value
+    if (sm.cand_key[t] == k_key) sm.pick_mass_incl = sm.rank_mass[t];  // ties: the same value
   }
   __syncthreads();
   const double goal = goal_fraction * static_cast<double>(sm.pick_mass_incl);
@@ -397,16 +419,17 @@ __device__ inline uint32_t top_p_on_ranked(Shared& sm, int total, uint32_t k_key
 template <typename T>
 __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                              int level, uint32_t floor_key, Selection& sel, bool need_mass, bool by_mass,
-                             unsigned int goal_cnt, double goal_fraction, float row_max, float k, bool& use_list) {
+                             unsigned int goal_cnt, double goal_fraction, float row_max, float k) {
   const int rb = level % 3;
   const float k_bins = k * kThrLogBins;
-  const bool fill_list = !sel.level0 && !use_list;
+  const bool fill_list = !sel.use_list;  // (level 0 starts without one)
   // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
   const int shift = max(0, 32 - __clz(width) - kThrDigitBits);
   for (int i = threadIdx.x; i < kThrBins; i += kThrThreads) {
     sm.cnt[i] = 0;
-    sm.mass[i] = 0;
+    sm.mass_lo[i] = 0;
+    sm.mass_hi[i] = 0;
   }
   for (int i = threadIdx.x; i < kThrBinsPerRank; i += kThrThreads) {
     sm.red_cnt[(level + 1) % 3][i] = 0;
@@ -436,12 +459,13 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
       }
     }
     if (fill_list) {
-      const unsigned ballot = __ballot_sync(kFullMask, member);
+      const bool listed = member && (!sel.level0 || bin < kThrListBins);
+      const unsigned ballot = __ballot_sync(kFullMask, listed);
       int base = 0;
       if (lane == 0 && ballot != 0) base = atomicAdd(&sm.list_n, __popc(ballot));
       base = __shfl_sync(kFullMask, base, 0);
       const int at = base + __popc(ballot & ((1u << lane) - 1u));
-      if (member && at < kThrListCap) sm.list[at] = key;
+      if (listed && at < kThrListCap) sm.list[at] = key;
     }
     // The catch-all bin is summed in registers; the others with shared atomics. Every lane of
     // the warp reaches the __match_any_sync (need_mass is uniform over the CTA).
@@ -454,7 +478,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     if (need_mass) {
       if (binned) {
         atomicAdd(&sm.cnt[bin], 1u);
-        atomicAdd(&sm.mass[bin], mass_of(x, row_max, k));
+        add_mass(sm, bin, mass_of(x, row_max, k));
       }
     } else {
       // Counts only: one atomic per distinct bin of the warp.
@@ -462,7 +486,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
       if (binned && lane == __ffs(peers) - 1) atomicAdd(&sm.cnt[bin], static_cast<unsigned>(__popc(peers)));
     }
   };
-  if (use_list) {
+  if (sel.use_list) {
     const int count = sm.list_n;
     const int rounded = (count + 31) & ~31;
     for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
@@ -472,17 +496,22 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   } else {
     for_each_entry(slice, n, visit);
   }
-  if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm.cnt, sm.mass, kThrBins - 1);
+  if (sel.level0) warp_add_to_bin(tail_c, tail_m, sm, kThrBins - 1);
   __syncthreads();
-  // From the next level on, a CTA whose members all fit reads its list instead of its slice.
-  if (fill_list) use_list = sm.list_n <= kThrListCap;
+  // From the next level on, a CTA whose members all fit reads its list instead of its slice
+  // (level 0's list: when the pick is among its bins; decided below).
+  const bool list_fits = fill_list && sm.list_n <= kThrListCap;
+  if (fill_list && !sel.level0) {
+    sel.use_list = list_fits;
+    sel.list_all_above = false;
+  }
   // Add this CTA's bins into their owners' (integer atomics: the same sums in any order).
   for (int b = threadIdx.x; b < kThrBins; b += kThrThreads) {
     const unsigned int c = sm.cnt[b];
     if (c != 0) {
       const int owner = b / kThrBinsPerRank, at = b % kThrBinsPerRank;
       atomicAdd(cluster.map_shared_rank(&sm.red_cnt[rb][at], owner), c);
-      if (need_mass) atomicAdd(cluster.map_shared_rank(&sm.red_mass[rb][at], owner), sm.mass[b]);
+      if (need_mass) atomicAdd(cluster.map_shared_rank(&sm.red_mass[rb][at], owner), bin_mass(sm, b));
     }
   }
   cluster.sync();
@@ -532,8 +561,9 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
       range.lo = static_cast<uint32_t>(lo);
       if (!all_above) range.hi = static_cast<uint32_t>(hi < sel.hi ? hi : sel.hi);
     }
-    const int total = gather_candidates<T>(cluster, sm, slice, n, use_list && !all_above && !sel.level0, range,
-                                           row_max, k);
+    const bool from_list = sel.level0 ? list_fits && pick < kThrListBins
+                                      : sel.use_list && (!all_above || sel.list_all_above);
+    const int total = gather_candidates<T>(cluster, sm, slice, n, from_list, range, row_max, k);
     const uint32_t key = all_above ? largest_reaching(sm, total, by_mass, 0u, goal_cnt, 0ull, sel.goal_mass)
                                    : largest_reaching(sm, total, by_mass, sel.cnt_above, goal_cnt, sel.mass_above,
                                                       sel.goal_mass);
@@ -549,6 +579,8 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     sel.lo = max(pick == kThrBins - 1 ? kKeyNegInf : least_key(top, at_most(pick)), floor_key);
     sel.hi = pick == 0 ? top : least_key(top, at_most(pick - 1)) - 1;
     sel.level0 = false;
+    sel.use_list = list_fits && pick < kThrListBins;
+    sel.list_all_above = sel.use_list;
   } else {
     const uint64_t lo = static_cast<uint64_t>(sel.lo) + (static_cast<uint64_t>(kThrBins - 1 - pick) << shift);
     const uint64_t hi = lo + ((uint64_t{1} << shift) - 1);
@@ -569,10 +601,9 @@ template <typename T>
 __device__ __noinline__ uint32_t select_key(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                                int& level, uint32_t floor_key, bool need_mass, bool by_mass, unsigned int goal_cnt,
                                double goal_fraction, float row_max, float k, bool* ranked_above, int* candidates) {
-  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0, false, 0};
-  bool use_list = false;
+  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0, false, 0, false, false};
   while (!select_level<T>(cluster, sm, slice, n, level++, floor_key, sel, need_mass, by_mass, goal_cnt,
-                          goal_fraction, row_max, k, use_list)) {
+                          goal_fraction, row_max, k)) {
   }
   *ranked_above = sel.all_above;
   *candidates = sel.candidates;
