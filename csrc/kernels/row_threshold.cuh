@@ -9,9 +9,12 @@
 //   with mass(l >= v) >= p * Z_k (by mass). Level 0 bins the row by log-probability
 //   (kThrLogBins bins per halving of the probability below M, the last bin catching everything
 //   further down), so that the bins split where the mass is; each later level splits the chosen
-//   bin's key range into kThrBins digits, until the range is one float: at most 1 + 4 levels per
-//   selection, whatever the row. After level 0 each CTA keeps the chosen bin's entries in a short
-//   list (when they fit), so later levels read a handful of entries, not the slice.
+//   bin's key range into kThrBins digits, until the range is one float: at most 2 + 4 levels per
+//   selection, whatever the row. Level 0 runs in two passes: the first bins (with shared atomics)
+//   and lists only the entries within 2^-16 of the max, summing the rest -- most of a row -- in
+//   registers; only an answer in that rest takes the second pass, which bins it. From a list
+//   that holds the chosen bin (level 0's, or the one level 1 fills), later levels and the finish
+//   read a handful of entries, not the slice.
 // - the finish: once the chosen bin holds at most kThrFinishCap members in the whole cluster (on
 //   most rows right after level 0), every CTA gathers them -- or every member at or above the bin,
 //   when those fit -- and ranks them itself: one pass and one cluster barrier instead of the
@@ -47,8 +50,10 @@ constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
 constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
 constexpr int kThrListCap = 2048;  // entries of a CTA's short list
-// Level 0 lists the entries of its first kThrListBins bins (probabilities within 2^-16 of the
-// max), so that a pick among them needs no pass over the slice afterwards.
+// Level 0 first bins only its first kThrListBins bins (probabilities within 2^-16 of the max)
+// with shared atomics, and lists their entries, so that a pick among them needs no pass over the
+// slice afterwards; the rest, most of a row, is one bin summed in registers. Only when the
+// answer lies in that rest does a second level-0 pass bin it (as 16 bins per halving again).
 constexpr int kThrListBins = 256;
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
 constexpr int kThrLoadUnroll = 4;  // 16-byte loads in flight per thread while a slice loads
@@ -242,6 +247,8 @@ struct Selection {
   // This CTA's list holds every member of the range (use_list), and also every member above it
   // (list_all_above: level 0's list of its first bins).
   bool use_list, list_all_above;
+  // Level 0's first pass bins [0, kThrListBins) (bin_from = 0); its second [kThrListBins, ...).
+  int bin_from;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -423,6 +430,8 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   const int rb = level % 3;
   const float k_bins = k * kThrLogBins;
   const bool fill_list = !sel.use_list;  // (level 0 starts without one)
+  // Level 0: bins >= tail_from are one bin (the last), summed in registers.
+  const int tail_from = sel.bin_from == 0 ? kThrListBins : kThrBins - 1;
   // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
   const int shift = max(0, 32 - __clz(width) - kThrDigitBits);
@@ -450,8 +459,8 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
       key = key_of(x);
       if (key >= floor_key) {
         if (sel.level0) {
-          member = true;
           bin = log_bin(x, row_max, k_bins);
+          member = bin >= sel.bin_from;  // (the bins above: counted by the first pass)
         } else if (key >= sel.lo && key <= sel.hi) {
           member = true;
           bin = static_cast<int>((key - sel.lo) >> shift);
@@ -467,23 +476,14 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
       const int at = base + __popc(ballot & ((1u << lane) - 1u));
       if (listed && at < kThrListCap) sm.list[at] = key;
     }
-    // The catch-all bin is summed in registers; the others with shared atomics. Every lane of
-    // the warp reaches the __match_any_sync (need_mass is uniform over the CTA).
-    const bool tail = member && sel.level0 && bin == kThrBins - 1;
-    const bool binned = member && !tail;
+    // Level 0's tail is summed in registers; the other bins with shared atomics.
+    const bool tail = member && sel.level0 && bin >= tail_from;
     if (tail) {
       tail_c += 1;
       if (need_mass) tail_m += mass_of(x, row_max, k);
-    }
-    if (need_mass) {
-      if (binned) {
-        atomicAdd(&sm.cnt[bin], 1u);
-        add_mass(sm, bin, mass_of(x, row_max, k));
-      }
-    } else {
-      // Counts only: one atomic per distinct bin of the warp.
-      const unsigned peers = __match_any_sync(kFullMask, binned ? bin : -1);
-      if (binned && lane == __ffs(peers) - 1) atomicAdd(&sm.cnt[bin], static_cast<unsigned>(__popc(peers)));
+    } else if (member) {
+      atomicAdd(&sm.cnt[bin], 1u);
+      if (need_mass) add_mass(sm, bin, mass_of(x, row_max, k));
     }
   };
   if (sel.use_list) {
@@ -524,7 +524,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   unsigned int c = c_bin;
   unsigned long long m = m_bin;
   block_scan(c, m, sm);
-  if (sel.level0 && by_mass) {
+  if (sel.level0 && sel.bin_from == 0 && by_mass) {
     // The mass at or above the floor is level 0's total (the last thread's inclusive sum).
     if (j == kThrThreads - 1) sm.pick_mass_incl = m;
     __syncthreads();
@@ -554,7 +554,9 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   // (top-p after top-k then needs no pass of its own), else with the bin's members.
   const bool all_above = sel.cnt_above + picked_cnt <= static_cast<unsigned>(kThrFinishCap);
   if (all_above || picked_cnt <= static_cast<unsigned>(kThrFinishCap)) {
-    CandidateRange range{sel.level0, all_above ? 0 : pick, pick, 0u, 0xFFFFFFFFu, floor_key, row_max, k_bins};
+    // (level 0's last bin spans the bins from tail_from on)
+    const int pick_from = sel.level0 && pick == kThrBins - 1 ? tail_from : pick;
+    CandidateRange range{sel.level0, all_above ? 0 : pick_from, pick, 0u, 0xFFFFFFFFu, floor_key, row_max, k_bins};
     if (!sel.level0) {
       const uint64_t lo = static_cast<uint64_t>(sel.lo) + (static_cast<uint64_t>(kThrBins - 1 - pick) << shift);
       const uint64_t hi = lo + ((uint64_t{1} << shift) - 1);
@@ -571,6 +573,11 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     sel.all_above = all_above && key != 0;
     sel.candidates = total;
     return true;
+  }
+  if (sel.level0 && pick == kThrBins - 1 && sel.bin_from == 0) {
+    // The answer lies in level 0's tail: a second pass bins it.
+    sel.bin_from = kThrListBins;
+    return false;
   }
   if (sel.level0) {
     // Bin `pick`'s key range, by bisection on log_bin (the same float arithmetic as the pass).
@@ -601,7 +608,7 @@ template <typename T>
 __device__ __noinline__ uint32_t select_key(cooperative_groups::cluster_group& cluster, Shared& sm, const T* slice, int n,
                                int& level, uint32_t floor_key, bool need_mass, bool by_mass, unsigned int goal_cnt,
                                double goal_fraction, float row_max, float k, bool* ranked_above, int* candidates) {
-  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0, false, 0, false, false};
+  Selection sel{kKeyNegInf, key_of(row_max), 0ull, 0u, true, 0.0, false, 0, false, false, 0};
   while (!select_level<T>(cluster, sm, slice, n, level++, floor_key, sel, need_mass, by_mass, goal_cnt,
                           goal_fraction, row_max, k)) {
   }
