@@ -10,11 +10,11 @@
 //   (kThrLogBins bins per halving of the probability below M, the last bin catching everything
 //   further down), so that the bins split where the mass is; each later level splits the chosen
 //   bin's key range into kThrBins digits, until the range is one float: at most 2 + 4 levels per
-//   selection, whatever the row. Level 0 runs in two passes: the first bins (with shared atomics)
-//   and lists only the entries within 2^-16 of the max, summing the rest -- most of a row -- in
-//   registers; only an answer in that rest takes the second pass, which bins it. From a list
-//   that holds the chosen bin (level 0's, or the one level 1 fills), later levels and the finish
-//   read a handful of entries, not the slice.
+//   selection, whatever the row. Level 0 lists the entries within 2^-16 of the max; counting
+//   (top-k), it bins only those with shared atomics and counts the rest -- most of a row -- in
+//   registers, and only an answer in that rest takes a second level-0 pass, which bins it. From a
+//   list that holds the chosen bin (level 0's, or the one level 1 fills), later levels and the
+//   finish read a handful of entries, not the slice.
 // - the finish: once the chosen bin holds at most kThrFinishCap members in the whole cluster (on
 //   most rows right after level 0), every CTA gathers them -- or every member at or above the bin,
 //   when those fit -- and ranks them itself: one pass and one cluster barrier instead of the
@@ -50,10 +50,10 @@ constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
 constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
 constexpr int kThrListCap = 2048;  // entries of a CTA's short list
-// Level 0 first bins only its first kThrListBins bins (probabilities within 2^-16 of the max)
-// with shared atomics, and lists their entries, so that a pick among them needs no pass over the
-// slice afterwards; the rest, most of a row, is one bin summed in registers. Only when the
-// answer lies in that rest does a second level-0 pass bin it (as 16 bins per halving again).
+// Level 0 lists the entries of its first kThrListBins bins (probabilities within 2^-16 of the
+// max), so that a pick among them needs no pass over the slice afterwards. Counting (top-k), it
+// bins only those with shared atomics and counts the rest, most of a row, as one bin in
+// registers; only when the answer lies in that rest does a second level-0 pass bin it.
 constexpr int kThrListBins = 256;
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
 constexpr int kThrLoadUnroll = 4;  // 16-byte loads in flight per thread while a slice loads
@@ -430,8 +430,11 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   const int rb = level % 3;
   const float k_bins = k * kThrLogBins;
   const bool fill_list = !sel.use_list;  // (level 0 starts without one)
-  // Level 0: bins >= tail_from are one bin (the last), summed in registers.
-  const int tail_from = sel.bin_from == 0 ? kThrListBins : kThrBins - 1;
+  // Level 0: bins >= tail_from are one bin (the last), summed in registers. Only counting
+  // (top-k) splits level 0 in two passes: a top-p's per-entry mass costs about as much summed in
+  // registers as binned, and p near 1 would pay the second pass (DECISIONS cuda-threshold-finish).
+  const bool two_pass = !need_mass && sel.bin_from == 0;
+  const int tail_from = two_pass ? kThrListBins : kThrBins - 1;
   // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
   const int shift = max(0, 32 - __clz(width) - kThrDigitBits);
@@ -574,7 +577,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     sel.candidates = total;
     return true;
   }
-  if (sel.level0 && pick == kThrBins - 1 && sel.bin_from == 0) {
+  if (sel.level0 && pick == kThrBins - 1 && two_pass) {
     // The answer lies in level 0's tail: a second pass bins it.
     sel.bin_from = kThrListBins;
     return false;
