@@ -195,13 +195,14 @@ def plot_distributed(plt, rows, out):
 
 
 def plot_filters(plt, rows, out):
-    sel = [r for r in rows if r["mode"] == "graph" and r["backend"] in ("triton", "cuda")]
+    # The current numbers: rows of plain runs (an experiment's rows are in tuning/<experiment>.png).
+    sel = [r for r in rows if r["mode"] == "graph" and r["backend"] in ("triton", "cuda") and not r["experiment"]]
     if not sel:
         return
-    groups = sorted({(r["card"], r["B"], inputs(r)) for r in sel})
+    groups = sorted({(r["card"], int(r["V"]), int(r["B"]), inputs(r)) for r in sel})
     fig, axes = panels(plt, len(groups))
-    for ax, (card, b, pair) in zip(axes, groups):
-        here = [r for r in sel if (r["card"], r["B"], inputs(r)) == (card, b, pair)]
+    for ax, (card, v, b, pair) in zip(axes, groups):
+        here = [r for r in sel if (r["card"], int(r["V"]), int(r["B"]), inputs(r)) == (card, v, b, pair)]
         settings = list(dict.fromkeys(r["filters"] for r in here))
         backends = sorted({r["backend"] for r in here})
         width = 0.8 / len(backends)
@@ -214,7 +215,7 @@ def plot_filters(plt, rows, out):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(settings))], settings, rotation=30, fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("time per call, graph (us)")
-        ax.set_title(f"{card}, B = {b}, {pair}", fontsize=9)
+        ax.set_title(f"{card}, V = {v}, B = {b}, {pair}", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("sampling filters", fontsize=9)
     save(fig, os.path.join(out, "filters.png"))

@@ -18,7 +18,7 @@ columns of its own after them (e.g. `filters`, `tp`, `config`, `stage`).
 | op, method | chain or tree; token or block verification |
 | B, K, V, nodes | requests, drafts per request (chains), vocabulary, nodes per tree |
 | logits_dtype, draft_probs | bf16 / fp16 / fp32; none or the draft probabilities' dtype |
-| mode | graph (GPU time per call replayed in a CUDA graph), eager (a Python call), kernel (one kernel's GPU time), trace (a stage of the traced kernel) |
+| mode | graph (GPU time per call replayed in a CUDA graph), eager (a Python call), graph1 (a graph of that one call), host (the host time of an eager call, calls queued back to back), kernel (one kernel's GPU time), trace (a stage of the traced kernel) |
 | time_us, floor_us, ratio | the time, the memory floor (DESIGN.md section 4) and time / floor |
 | bandwidth_TBps | the card's measured copy bandwidth that the floor uses |
 | note | provenance and caveats |
