@@ -139,25 +139,25 @@ def time_host(fn, calls: int = 50) -> float:
     return host / calls * 1e6
 
 
-def filter_tensors(batch: int, setting, vocab: int = 0) -> dict:
+def filter_tensors(batch: int, setting, vocab: int = 0, device="cuda") -> dict:
     top_k, top_p, min_p = setting
     if setting == FILTER_SETTINGS["mixed"]:
         # Request i: top-k from (off, 20, 50, 1000), top-p from (off, 0.9, 0.95, 0.5), min-p from
         # (off, 0.05), in patterns that do not repeat together; inputs_for_setting makes every
         # fourth request greedy.
-        i = torch.arange(batch, device="cuda")
-        return dict(top_k=torch.tensor([0, 20, 50, 1000], dtype=torch.int32, device="cuda")[i % 4],
-                    top_p=torch.tensor([1.0, 0.9, 0.95, 0.5], device="cuda")[(i // 2) % 4],
-                    min_p=torch.tensor([0.0, 0.05], device="cuda")[(i // 3) % 2])
+        i = torch.arange(batch, device=device)
+        return dict(top_k=torch.tensor([0, 20, 50, 1000], dtype=torch.int32, device=device)[i % 4],
+                    top_p=torch.tensor([1.0, 0.9, 0.95, 0.5], device=device)[(i // 2) % 4],
+                    min_p=torch.tensor([0.0, 0.05], device=device)[(i // 3) % 2])
     if top_k == "NEAR_V":
         top_k = max(vocab - 64, 1)
     out = {}
     if top_k is not None:
-        out["top_k"] = torch.full((batch,), top_k, dtype=torch.int32, device="cuda")
+        out["top_k"] = torch.full((batch,), top_k, dtype=torch.int32, device=device)
     if top_p is not None:
-        out["top_p"] = torch.full((batch,), top_p, dtype=torch.float32, device="cuda")
+        out["top_p"] = torch.full((batch,), top_p, dtype=torch.float32, device=device)
     if min_p is not None:
-        out["min_p"] = torch.full((batch,), min_p, dtype=torch.float32, device="cuda")
+        out["min_p"] = torch.full((batch,), min_p, dtype=torch.float32, device=device)
     return out
 
 

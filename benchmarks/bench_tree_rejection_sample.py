@@ -9,7 +9,11 @@ dtype, draft probabilities given or not) and each fused backend (CUDA C++, Trito
   (replay time / calls; L2 flushed before each replay), i.e. without launch overhead;
 - eager_us: a call from Python (do_bench median, L2 flushed before each call);
 - the mean number of accepted nodes per request (the trees are built so that walks go a few
-  levels deep, as with a good drafter).
+  levels deep, as with a good drafter);
+- with ``--settings``, the same calls with sampling filters (bench_filters.py's settings, e.g.
+  "p0.9,k50 p0.9,minp0.05,kV-64,mixed"; "unfiltered" = none) and ``vs_unfiltered``, the graph
+  time over the same backend's unfiltered call (issue #36's 2x bound); ``--temperature`` and
+  ``--scale`` set every request's temperature and the logits' standard deviation.
 
 No reference is run: only the kernels are timed. Writes <out>/bench_tree_rejection_sample.csv
 (the long format of results_csv.py, one row per time; append it to benchmarks/results/tree.csv
@@ -17,6 +21,9 @@ with `python benchmarks/results_csv.py append`) and <out>/bench_tree_rejection_s
 
     python benchmarks/bench_tree_rejection_sample.py --out bench_out
     python benchmarks/bench_tree_rejection_sample.py --out bench_out --backends cuda --greedy
+    # issue #36's tree cells: filtered trees, T = 0.8, N(0, 3^2) logits
+    python benchmarks/bench_tree_rejection_sample.py --out bench_out --backends cuda --nodes 8,64 \
+        --batches 1,8,32,64,128 --temperature 0.8 --scale 3 --settings "unfiltered,p0.9,k50 p0.9,minp0.05,mixed"
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import results_csv  # noqa: E402
 import specdec_kernels  # noqa: E402
 from bench_rejection_sample import (  # noqa: E402
     DTYPES, copy_bandwidth, time_eager, time_graph, versions, write_csv)
+from bench_filters import FILTER_SETTINGS, filter_tensors, inputs_for_setting  # noqa: E402
 from specdec_kernels import _ops as ops  # noqa: E402
 from specdec_kernels.triton import config as triton_config  # noqa: E402
 
@@ -70,18 +78,18 @@ def tree_depth(parents: list[int]) -> int:
     return max(depth)
 
 
-def make_inputs(batch, parents, vocab, dtype, draft_probs, greedy, seed):
-    """B copies of one tree shape with random target rows. Deterministic drafts: each node's
-    children are the top tokens of a perturbed copy of its row (distinct), boosted in the
-    target row so that walks go deep; draft probabilities: the children are drawn from the
+def make_inputs(batch, parents, vocab, dtype, draft_probs, greedy, seed, temperature=1.0, scale=2.0, device="cuda"):
+    """B copies of one tree shape with random target rows (N(0, scale^2)). Deterministic drafts:
+    each node's children are the top tokens of a perturbed copy of its row (distinct), boosted in
+    the target row so that walks go deep; draft probabilities: the children are drawn from the
     perturbed softmax."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     n = len(parents)
     total = batch * n
-    logits = torch.randn(total, vocab, device="cuda", generator=g) * 2
-    perturbed = logits + torch.randn(total, vocab, device="cuda", generator=g)
-    local_parent = torch.tensor(parents, device="cuda")
-    offsets_of = torch.arange(batch, device="cuda").repeat_interleave(n) * n
+    logits = torch.randn(total, vocab, device=device, generator=g) * scale
+    perturbed = logits + torch.randn(total, vocab, device=device, generator=g)
+    local_parent = torch.tensor(parents, device=device)
+    offsets_of = torch.arange(batch, device=device).repeat_interleave(n) * n
     parent_row = (local_parent.clamp(min=0).repeat(batch) + offsets_of)  # the root's is unused
     probs = None
     if draft_probs:
@@ -93,7 +101,7 @@ def make_inputs(batch, parents, vocab, dtype, draft_probs, greedy, seed):
             rank[j] = sum(1 for i in range(1, j) if parents[i] == parents[j])
         kmax = int(rank.max()) + 1
         top = perturbed.topk(kmax, -1).indices
-        tokens = top[parent_row, rank.to("cuda").repeat(batch)]
+        tokens = top[parent_row, rank.to(device).repeat(batch)]
         # A good drafter's children are likely under the target: boost them in the parent row.
         child = (local_parent >= 0).repeat(batch)
         logits.index_put_((parent_row[child], tokens[child]), torch.full_like(tokens[child], 4, dtype=logits.dtype),
@@ -101,20 +109,30 @@ def make_inputs(batch, parents, vocab, dtype, draft_probs, greedy, seed):
     return dict(
         target_logits=logits.to(dtype),
         tokens=tokens,
-        parents=torch.tensor(parents, dtype=torch.int32, device="cuda").repeat(batch),
-        cu_num_nodes=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device="cuda"),
+        parents=torch.tensor(parents, dtype=torch.int32, device=device).repeat(batch),
+        cu_num_nodes=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
         draft_probs=probs,
-        temperature=torch.full((batch,), 0.0 if greedy else 1.0, device="cuda"),
-        seeds=torch.arange(batch, device="cuda", dtype=torch.int64) + 1000 * seed,
-        offsets=torch.zeros(batch, device="cuda", dtype=torch.int64),
+        temperature=torch.full((batch,), 0.0 if greedy else temperature, device=device),
+        seeds=torch.arange(batch, device=device, dtype=torch.int64) + 1000 * seed,
+        offsets=torch.zeros(batch, device=device, dtype=torch.int64),
         max_depth=tree_depth(parents),
     )
 
 
-def tree_call(inp, backend):
+def tree_call(inp, backend, filters: dict | None = None):
+    """The op on one input set (filters: top_k / top_p / min_p tensors), as a zero-argument callable."""
     return lambda: specdec_kernels.tree_rejection_sample(
         inp["target_logits"], inp["tokens"], inp["parents"], inp["cu_num_nodes"], inp["draft_probs"],
-        inp["temperature"], inp["seeds"], inp["offsets"], inp["max_depth"], backend=backend)
+        inp["temperature"], inp["seeds"], inp["offsets"], inp["max_depth"], backend=backend, **(filters or {}))
+
+
+def setting_call(inp, backend, setting: str, batch: int, vocab: int):
+    """tree_call with bench_filters' filter setting `setting` ("unfiltered": none; "mixed" also
+    makes every fourth request greedy)."""
+    if setting == "unfiltered":
+        return tree_call(inp, backend)
+    filters = filter_tensors(batch, FILTER_SETTINGS[setting], vocab, device=inp["target_logits"].device)
+    return tree_call(inputs_for_setting(inp, setting), backend, filters)
 
 
 def floor_us(batch, nodes, vocab, dtype, draft_probs, bandwidth) -> float:
@@ -132,9 +150,17 @@ def main():
     ap.add_argument("--nodes", default="8,16", help=f"tree shapes by node count, of {sorted(TREES)}")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    ap.add_argument("--greedy", action="store_true", help="temperature 0 (default 1)")
+    ap.add_argument("--greedy", action="store_true", help="temperature 0 (default: --temperature)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="every request's temperature")
+    ap.add_argument("--scale", type=float, default=2.0, help="the target logits' standard deviation")
+    ap.add_argument("--settings", default="unfiltered",
+                    help=f"comma list of filter settings: unfiltered, or of {list(FILTER_SETTINGS)}")
     ap.add_argument("--max-graph-calls", type=int, default=16)
     args = ap.parse_args()
+    settings = [name.strip() for name in args.settings.split(",")]
+    unknown = [name for name in settings if name != "unfiltered" and name not in FILTER_SETTINGS]
+    if unknown:
+        ap.error(f"unknown --settings {unknown}; choose from unfiltered, {list(FILTER_SETTINGS)}")
     os.makedirs(args.out, exist_ok=True)
     status = specdec_kernels.available_backends(ops.TREE_REJECTION_SAMPLE)
     backends = args.backends.split(",") if args.backends else \
@@ -152,23 +178,30 @@ def main():
         floor = floor_us(batch, nodes, args.vocab, args.dtype, probs, bandwidth)
         set_bytes = batch * nodes * args.vocab * (DTYPES[args.dtype].itemsize + (4 if probs else 0))
         n_sets = max(2, min(args.max_graph_calls, int(4e9 // max(set_bytes, 1))))
-        sets = [make_inputs(batch, parents, args.vocab, DTYPES[args.dtype], probs, args.greedy, seed)
+        sets = [make_inputs(batch, parents, args.vocab, DTYPES[args.dtype], probs, args.greedy, seed,
+                            args.temperature, args.scale)
                 for seed in range(n_sets)]
-        for backend in backends:
-            _, _, num = tree_call(sets[0], backend)()
+        for backend, setting in itertools.product(backends, settings):
+            _, _, num = setting_call(sets[0], backend, setting, batch, args.vocab)()
             accepted = num.float().mean().item()
-            eager = time_eager(tree_call(sets[0], backend))
-            graph = time_graph([tree_call(s, backend) for s in sets])
+            eager = time_eager(setting_call(sets[0], backend, setting, batch, args.vocab))
+            graph = time_graph([setting_call(s, backend, setting, batch, args.vocab) for s in sets])
+            base = next((r["graph_us"] for r in rows if (r["B"], r["nodes"], r["draft_probs"], r["backend"],
+                                                          r["filters"]) == (batch, nodes, "fp32" if probs else "none",
+                                                                            backend, "unfiltered")), None)
             row = dict(info, backend=backend, B=batch, nodes=nodes, depth=tree_depth(parents), V=args.vocab,
                        logits_dtype=args.dtype, draft_probs="fp32" if probs else "none",
-                       temperature=0.0 if args.greedy else 1.0, mean_accepted=round(accepted, 3),
+                       temperature=0.0 if args.greedy else args.temperature, logit_std=args.scale,
+                       filters=setting, mean_accepted=round(accepted, 3),
                        floor_us=round(floor, 2), graph_us=round(graph, 2), eager_us=round(eager, 2),
                        graph_over_floor=round(graph / floor, 3), eager_over_floor=round(eager / floor, 3),
+                       vs_unfiltered=round(graph / base, 3) if base else float("nan"),
                        bandwidth_TBps=round(bandwidth / 1e12, 3))
             rows.append(row)
             print(f"B={batch:3d} nodes={nodes:2d} V={args.vocab} {args.dtype} draft={row['draft_probs']:4s} "
-                  f"{backend:7s} floor {floor:7.1f} us  graph {graph:8.1f} us ({graph / floor:5.2f}x)  "
-                  f"eager {eager:8.1f} us  accepted {accepted:.2f}", flush=True)
+                  f"{backend:7s} {setting:12s} floor {floor:7.1f} us  graph {graph:8.1f} us ({graph / floor:5.2f}x"
+                  f"{f', {graph / base:5.2f}x unfiltered' if base else ''})  eager {eager:8.1f} us  "
+                  f"accepted {accepted:.2f}", flush=True)
         del sets
         torch.cuda.empty_cache()
 
@@ -184,21 +217,22 @@ def main():
 
 
 def markdown_table(rows, info, bandwidth) -> str:
-    by_key = {(r["B"], r["nodes"], r["draft_probs"], r["backend"]): r for r in rows}
+    by_key = {(r["B"], r["nodes"], r["draft_probs"], r["filters"], r["backend"]): r for r in rows}
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     first = rows[0]
     lines = [f"Card: {info['card']} (copy {bandwidth / 1e12:.2f} TB/s), torch {info['torch']}, triton {info['triton']}, "
              f"commit {info['commit']}. V = {first['V']}, {first['logits_dtype']} logits, temperature "
              f"{first['temperature']}. Times in us; graph = GPU time per call in a CUDA graph, eager = called from "
-             "Python; (x) = ratio to the floor.", ""]
-    head = "| B | nodes | draft | floor |" + "".join(f" {b} graph | {b} eager |" for b in backends) + " accepted |"
-    lines += [head, "|" + "---|" * (5 + 2 * len(backends))]
-    for key in dict.fromkeys(k[:3] for k in by_key):
-        base = by_key[key + (backends[0],)]
-        cells = [str(key[0]), str(key[1]), key[2], f"{base['floor_us']:.1f}"]
+             "Python; (x) = ratio to the floor; [x] = ratio to the same backend's unfiltered graph time.", ""]
+    head = "| B | nodes | draft | filters | floor |" + "".join(f" {b} graph | {b} eager |" for b in backends) + " accepted |"
+    lines += [head, "|" + "---|" * (6 + 2 * len(backends))]
+    for key in dict.fromkeys(k[:4] for k in by_key):
+        base = next(by_key[key + (b,)] for b in backends if key + (b,) in by_key)
+        cells = [str(key[0]), str(key[1]), key[2], key[3], f"{base['floor_us']:.1f}"]
         for b in backends:
             r = by_key.get(key + (b,))
-            cells += ["", ""] if r is None else [f"{r['graph_us']:.1f} ({r['graph_over_floor']:.2f}x)",
+            ratio = "" if r is None or key[3] == "unfiltered" else f" [{r['vs_unfiltered']:.2f}x]"
+            cells += ["", ""] if r is None else [f"{r['graph_us']:.1f} ({r['graph_over_floor']:.2f}x){ratio}",
                                                  f"{r['eager_us']:.1f}"]
         cells.append(f"{base['mean_accepted']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")

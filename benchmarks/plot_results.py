@@ -154,7 +154,8 @@ def plot_stream_probe(plt, rows, out):
 
 
 def plot_tree(plt, rows, out):
-    sel = [r for r in rows if r["op"] == "tree" and r["nodes"] == "64" and r["mode"] == "graph"]
+    sel = [r for r in rows if r["op"] == "tree" and r["nodes"] == "64" and r["mode"] == "graph"
+           and r.get("filters", "") in ("", "unfiltered")]
     if not sel:
         return
     fig, (ax,) = panels(plt, 1)
