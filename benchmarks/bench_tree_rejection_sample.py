@@ -181,14 +181,15 @@ def main():
         sets = [make_inputs(batch, parents, args.vocab, DTYPES[args.dtype], probs, args.greedy, seed,
                             args.temperature, args.scale)
                 for seed in range(n_sets)]
+        unfiltered_graph = {}  # backend -> its unfiltered graph time in this configuration
         for backend, setting in itertools.product(backends, settings):
             _, _, num = setting_call(sets[0], backend, setting, batch, args.vocab)()
             accepted = num.float().mean().item()
             eager = time_eager(setting_call(sets[0], backend, setting, batch, args.vocab))
             graph = time_graph([setting_call(s, backend, setting, batch, args.vocab) for s in sets])
-            base = next((r["graph_us"] for r in rows if (r["B"], r["nodes"], r["draft_probs"], r["backend"],
-                                                          r["filters"]) == (batch, nodes, "fp32" if probs else "none",
-                                                                            backend, "unfiltered")), None)
+            if setting == "unfiltered":
+                unfiltered_graph[backend] = graph
+            base = unfiltered_graph.get(backend)
             row = dict(info, backend=backend, B=batch, nodes=nodes, depth=tree_depth(parents), V=args.vocab,
                        logits_dtype=args.dtype, draft_probs="fp32" if probs else "none",
                        temperature=0.0 if args.greedy else args.temperature, logit_std=args.scale,
