@@ -124,8 +124,8 @@ __device__ __forceinline__ unsigned long long mass_of(float x, float row_max, fl
 struct Shared {
   unsigned int cnt[kThrBins];  // this CTA's histogram of the level
   // Its masses, as two 32-bit halves: sm_90's 64-bit shared atomic add is a compare-and-swap
-  // loop (retried ~4 times per entry under the level's contention), a 32-bit one is one
-  // instruction. mass = mass_hi * 2^32 + mass_lo, the low half's wrap-arounds carried up.
+  // loop that the level's contention retries (docs/DECISIONS.md#cuda-threshold-finish), a 32-bit
+  // one is one instruction. mass = mass_hi * 2^32 + mass_lo, the low half's wraps carried up.
   unsigned int mass_lo[kThrBins], mass_hi[kThrBins];
   // The cluster's histogram, bins [rank * kThrBinsPerRank, ...) on CTA `rank`: the CTAs add theirs
   // into it with distributed-shared-memory atomics. Three buffers, level L using L % 3: one
