@@ -292,6 +292,74 @@ __device__ __forceinline__ void for_each_entry(const T* slice, int n, Visit&& vi
   }
 }
 
+// Level 0's first pass when it runs in two (Selection::bin_from == 0): lists this CTA's members
+// (keys >= floor) of the bins below kThrListBins -- within 2^-16 of the max -- in sm.list, and
+// sums the count and (need_mass) the mass of the other members in registers. No histogram atomic
+// and no vote per entry: one warp scan and one shared atomic per vector step for the appends.
+// The listed entries are binned afterwards from the list (select_level).
+template <bool kNeedMass, typename T>
+__device__ __forceinline__ void sweep_head(const T* slice, int n, float floor_value, float row_max, float k_bins,
+                                           float k, Shared& sm, unsigned int& tail_c, unsigned long long& tail_m) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const int lane = threadIdx.x & 31;
+  const int n_vec = n / kVec;
+  const int rounded_vec = (n_vec + 31) & ~31;
+  // One step: kVec entries of this thread (q < valid), appended warp-wide in lane order.
+  auto step = [&](const float (&x)[kVec], int valid) {
+    unsigned int head = 0;
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) {
+      // y < kThrListBins <=> log_bin(x) < kThrListBins (the same float arithmetic; y >= 0)
+      const float y = (row_max - x[q]) * k_bins;
+      const bool member = q < valid && x[q] >= floor_value;
+      const bool listed = member && y < static_cast<float>(kThrListBins);
+      const bool tail = member && !listed;
+      head |= static_cast<unsigned int>(listed) << q;
+      tail_c += static_cast<unsigned int>(tail);
+      if constexpr (kNeedMass) {  // (branch-free: a select, not a divergent branch per entry)
+        const unsigned long long m = mass_of(x[q], row_max, k);
+        tail_m += tail ? m : 0ull;
+      }
+    }
+    const int c = __popc(head);
+    int incl = c;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int up = __shfl_up_sync(kFullMask, incl, o);
+      if (lane >= o) incl += up;
+    }
+    int base = 0;
+    if (lane == 31 && incl != 0) base = atomicAdd(&sm.list_n, incl);
+    base = __shfl_sync(kFullMask, base, 31);
+    int at = base + incl - c;
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) {
+      if ((head >> q) & 1u) {
+        if (at < kThrListCap) sm.list[at] = key_of(x[q]);
+        ++at;
+      }
+    }
+  };
+  for (int i = threadIdx.x; i < rounded_vec; i += kThrThreads) {
+    const bool ok = i < n_vec;
+    const uint4 v = ok ? reinterpret_cast<const uint4*>(slice)[i] : make_uint4(0u, 0u, 0u, 0u);
+    const T* e = reinterpret_cast<const T*>(&v);
+    float x[kVec];
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) x[q] = rs_detail::sanitize(to_float(e[q]));
+    step(x, ok ? kVec : 0);
+  }
+  const int done = n_vec * kVec, rest = n - done;
+  const int rounded = (rest + 31) & ~31;
+  for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
+    float x[kVec];
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) x[q] = -INFINITY;
+    const bool ok = i < rest;
+    if (ok) x[0] = rs_detail::sanitize(to_float(slice[done + i]));
+    step(x, ok ? 1 : 0);
+  }
+}
+
 // Which entries a finish gathers: keys >= floor and, by_bin, level-0 bins in [bin_lo, bin_hi],
 // else keys in [lo, hi].
 struct CandidateRange {
@@ -429,11 +497,12 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
                              unsigned int goal_cnt, double goal_fraction, float row_max, float k) {
   const int rb = level % 3;
   const float k_bins = k * kThrLogBins;
-  const bool fill_list = !sel.use_list;  // (level 0 starts without one)
-  // Level 0: bins >= tail_from are one bin (the last), summed in registers. Only counting
-  // (top-k) splits level 0 in two passes: a top-p's per-entry mass costs about as much summed in
-  // registers as binned, and p near 1 would pay the second pass (DECISIONS cuda-threshold-finish).
-  const bool two_pass = !need_mass && sel.bin_from == 0;
+  // Level 0 runs in two passes: the first (sweep_head) lists the bins below kThrListBins and
+  // sums the rest -- one bin, the last -- in registers; the list is binned from there. Only an
+  // answer in that rest takes the second pass, which bins it from the slice.
+  const bool two_pass = sel.level0 && sel.bin_from == 0;
+  // (level 0 starts without a list; its second pass keeps the first's)
+  const bool fill_list = !sel.use_list && sel.bin_from == 0;
   const int tail_from = two_pass ? kThrListBins : kThrBins - 1;
   // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
@@ -470,7 +539,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
         }
       }
     }
-    if (fill_list) {
+    if (fill_list && !two_pass) {
       const bool listed = member && (!sel.level0 || bin < kThrListBins);
       const unsigned ballot = __ballot_sync(kFullMask, listed);
       int base = 0;
@@ -482,14 +551,25 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     // Level 0's tail is summed in registers; the other bins with shared atomics.
     const bool tail = member && sel.level0 && bin >= tail_from;
     if (tail) {
-      tail_c += 1;
-      if (need_mass) tail_m += mass_of(x, row_max, k);
+      if (!two_pass) {  // (two passes: sweep_head summed the tail)
+        tail_c += 1;
+        if (need_mass) tail_m += mass_of(x, row_max, k);
+      }
     } else if (member) {
       atomicAdd(&sm.cnt[bin], 1u);
       if (need_mass) add_mass(sm, bin, mass_of(x, row_max, k));
     }
   };
-  if (sel.use_list) {
+  if (two_pass) {
+    if (need_mass) {
+      sweep_head<true>(slice, n, value_of(floor_key), row_max, k_bins, k, sm, tail_c, tail_m);
+    } else {
+      sweep_head<false>(slice, n, value_of(floor_key), row_max, k_bins, k, sm, tail_c, tail_m);
+    }
+    __syncthreads();
+  }
+  // A CTA whose first pass overflowed its list bins the head from its slice.
+  if (sel.use_list || (two_pass && sm.list_n <= kThrListCap)) {
     const int count = sm.list_n;
     const int rounded = (count + 31) & ~31;
     for (int i = threadIdx.x; i < rounded; i += kThrThreads) {
