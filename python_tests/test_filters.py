@@ -866,6 +866,46 @@ def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype):
 
 @pytest.mark.gpu
 @NEEDS_CUDA_FILTERS
+@pytest.mark.parametrize("vocab", THRESHOLD_VOCABS)
+@pytest.mark.parametrize("dtype", THRESHOLD_DTYPES)
+def test_gpu_cuda_threshold_pass_min_p_alone(vocab, dtype):
+    """Min-p without top_k / top_p runs the max-only pass (row_min_p_threshold_kernel): the same
+    thresholds, bit for bit, as the full pass given top-k and top-p switched off per request, and
+    exactly the sort-based set; -inf for greedy requests, min_p = 0 and padding."""
+    logits, cu, n, temperature, _, _, _ = _threshold_case(vocab, seed=vocab + 1)
+    logits = logits.to(dtype)
+    B, L = len(n), 4
+    min_p = torch.tensor([0.1, 0.0, 0.05, 0.2, 1e-4, 0.5, 0.05, 1.0])
+    wide = torch.full((logits.shape[0], vocab + 3), float("nan"), dtype=dtype)
+    wide[:, :vocab] = logits
+    rows = wide.cuda()[:, :vocab]
+    cu_d, temp_d, min_p_d = cu.cuda(), temperature.cuda(), min_p.cuda()
+    alone = torch.ops.specdec._row_thresholds_cuda(rows, cu_d, temp_d, None, None, min_p_d, False, L).cpu()
+    off_k = torch.zeros(B, dtype=torch.int32, device="cuda")
+    off_p = torch.ones(B, device="cuda")
+    full = torch.ops.specdec._row_thresholds_cuda(rows, cu_d, temp_d, off_k, off_p, min_p_d, False, L).cpu()
+    assert torch.equal(alone, full)
+    cu_nodes = (cu + torch.arange(B + 1, dtype=torch.int32)).cuda()
+    tree_thr = torch.ops.specdec._row_thresholds_cuda(logits.cuda(), cu_nodes, temp_d, None, None, min_p_d, True,
+                                                      1).cpu()
+    for b in range(B):
+        for t in range(L):
+            slot = b * L + t
+            if t > n[b] or not (temperature[b] > 0 and min_p[b] > 0):
+                assert alone[slot] == float("-inf"), (b, t)
+                continue
+            row = int(cu[b]) + b + t
+            assert tree_thr[row] == alone[slot]
+            x = logits[row].float()
+            if not (x > float("-inf")).any():
+                continue
+            keep = filter_keep_mask(torch.nan_to_num(x, nan=float("-inf"), posinf=FLT_MAX).double(),
+                                    1 / temperature[b].double(), None, None, min_p[b].double())
+            assert torch.equal(torch.nan_to_num(x, nan=float("-inf")) >= alone[slot], keep), (b, t, vocab)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_FILTERS
 @pytest.mark.parametrize("vocab", [32000, 128256])
 def test_gpu_cuda_threshold_pass_flat_rows_top_p(vocab):
     """Top-p alone on flat rows (random logits, temperature 0.8 .. 4, p from 0.05 to 0.9999): the

@@ -98,10 +98,21 @@ at::Tensor row_thresholds_cuda(const at::Tensor& target_logits, const at::Tensor
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   cudaError_t err;
+  // Min-p alone needs only the row max: the light pass (the same thresholds).
+  const bool min_p_only = !k.defined() && !p.defined();
   switch (logits.scalar_type()) {
-    case at::kFloat: err = specdec::launch_row_thresholds<float>(params, slots, stream); break;
-    case at::kBFloat16: err = specdec::launch_row_thresholds<__nv_bfloat16>(params, slots, stream); break;
-    default: err = specdec::launch_row_thresholds<__half>(params, slots, stream); break;
+    case at::kFloat:
+      err = min_p_only ? specdec::launch_row_min_p_thresholds<float>(params, slots, stream)
+                       : specdec::launch_row_thresholds<float>(params, slots, stream);
+      break;
+    case at::kBFloat16:
+      err = min_p_only ? specdec::launch_row_min_p_thresholds<__nv_bfloat16>(params, slots, stream)
+                       : specdec::launch_row_thresholds<__nv_bfloat16>(params, slots, stream);
+      break;
+    default:
+      err = min_p_only ? specdec::launch_row_min_p_thresholds<__half>(params, slots, stream)
+                       : specdec::launch_row_thresholds<__half>(params, slots, stream);
+      break;
   }
   C10_CUDA_CHECK(err);
   return thresholds;

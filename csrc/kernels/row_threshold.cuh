@@ -502,7 +502,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   // answer in that rest takes the second pass, which bins it from the slice.
   const bool two_pass = sel.level0 && sel.bin_from == 0;
   // (level 0 starts without a list; its second pass keeps the first's)
-  const bool fill_list = !sel.use_list && sel.bin_from == 0;
+  const bool fill_list = !sel.use_list && !(sel.level0 && sel.bin_from != 0);
   const int tail_from = two_pass ? kThrListBins : kThrBins - 1;
   // Digits of a sub-level: (key - lo) >> shift, in [0, kThrBins).
   const uint32_t width = sel.hi - sel.lo;
@@ -709,7 +709,8 @@ struct SlotFilters {
   bool k_on, p_on, mp_on;
 };
 
-__device__ inline bool slot_filters(const RowThresholdParams& p, int64_t slot, Shared& sm, SlotFilters& f) {
+// owner: a shared-memory slot for the tree's owner search.
+__device__ inline bool slot_filters(const RowThresholdParams& p, int64_t slot, int64_t& owner, SlotFilters& f) {
   int64_t b, row;
   if (p.tree) {
     // The owner of node row `slot`: the least i with cu[i] > row is owner + 1 (cu may be
@@ -723,10 +724,10 @@ __device__ inline bool slot_filters(const RowThresholdParams& p, int64_t slot, S
         const unsigned ballot = __ballot_sync(kFullMask, above);
         if (ballot != 0) first = base + __ffs(ballot) - 1;
       }
-      if (threadIdx.x == 0) sm.owner = first - 1;
+      if (threadIdx.x == 0) owner = first - 1;
     }
     __syncthreads();
-    b = sm.owner;
+    b = owner;
     if (b < 0 || row >= p.num_rows) return false;
   } else {
     b = slot / p.max_rows;
@@ -780,7 +781,7 @@ __global__ void __launch_bounds__(kThrThreads, 2) row_threshold_kernel(const Row
   const int rank = static_cast<int>(cluster.block_rank());
   SlotFilters f;
   // Uniform over the cluster: every CTA returns here, or none does.
-  if (!slot_filters(p, slot, sm, f)) {
+  if (!slot_filters(p, slot, sm.owner, f)) {
     if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = -INFINITY;
     return;
   }
@@ -883,6 +884,100 @@ cudaError_t launch_row_thresholds(const RowThresholdParams& p, int64_t slots, cu
   config.attrs = attr;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, row_threshold_kernel<T>, p);
+}
+
+// Min-p alone (top_k and top_p not given): the threshold needs only the row max, so a cluster of
+// kThrCluster small CTAs per slot reads its slices into registers -- no shared-memory copy, no
+// selection -- and many clusters share an SM: the pass runs at the logits' read, not in waves of
+// two big CTAs per SM. The same max and min_p_key as row_threshold_kernel: the same thresholds.
+constexpr int kThrMaxThreads = 256;
+constexpr int kThrMaxUnroll = 4;  // 16-byte loads in flight per thread (40 registers: 6 CTAs per SM)
+
+template <typename T>
+__global__ void __launch_bounds__(kThrMaxThreads, 6) row_min_p_threshold_kernel(const RowThresholdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  using namespace thr_detail;
+  __shared__ int64_t owner;
+  __shared__ float warp_max[kThrMaxThreads / 32];
+  __shared__ float cta_max;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t slot = blockIdx.x / kThrCluster;
+  const int rank = static_cast<int>(cluster.block_rank());
+  SlotFilters f;
+  if (!slot_filters(p, slot, owner, f)) {  // (uniform over the cluster)
+    if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = -INFINITY;
+    return;
+  }
+  const int64_t start = static_cast<int64_t>(rank) * p.slice;
+  const int64_t left = p.vocab - start;
+  const int n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
+  const T* src = static_cast<const T*>(p.logits) + f.row * p.row_stride + start;
+  float local_max = -INFINITY;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  int done = 0;
+  if (p.vectorized) {
+    const int n_vec = n / kVec;
+    for (int base = threadIdx.x; base < n_vec; base += kThrMaxThreads * kThrMaxUnroll) {
+      uint4 v[kThrMaxUnroll];
+#pragma unroll
+      for (int u = 0; u < kThrMaxUnroll; ++u) {
+        const int i = base + u * kThrMaxThreads;
+        v[u] = i < n_vec ? __ldcg(reinterpret_cast<const uint4*>(src) + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < kThrMaxUnroll; ++u) {
+        if (base + u * kThrMaxThreads < n_vec) {
+          const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+          for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
+        }
+      }
+    }
+    done = n_vec * kVec;
+  }
+  for (int i = done + threadIdx.x; i < n; i += kThrMaxThreads) {
+    local_max = fmaxf(local_max, rs_detail::sanitize(to_float(src[i])));
+  }
+  for (int o = 16; o > 0; o >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(kFullMask, local_max, o));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local_max;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = warp_max[0];
+    for (int w = 1; w < kThrMaxThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    cta_max = m;
+  }
+  cluster.sync();
+  if (rank == 0 && threadIdx.x == 0) {
+    float row_max = -INFINITY;
+    for (int q = 0; q < kThrCluster; ++q) row_max = fmaxf(row_max, cluster.map_shared_rank(&cta_max, q)[0]);
+    uint32_t t_key = kKeyNegInf;
+    if (row_max > -INFINITY && f.mp_on) t_key = min(min_p_key(row_max, f.k, f.min_p), key_of(row_max));
+    p.thresholds[slot] = value_of(t_key);
+  }
+  // No CTA leaves while rank 0 may still read its shared memory.
+  cluster.sync();
+#else
+  __trap();  // sm_90 only: the binding checks the device first
+#endif
+}
+
+// Launched instead of launch_row_thresholds when p.top_k and p.top_p are null.
+template <typename T>
+cudaError_t launch_row_min_p_thresholds(const RowThresholdParams& p, int64_t slots, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(slots * kThrCluster), 1, 1);
+  config.blockDim = dim3(kThrMaxThreads, 1, 1);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kThrCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, row_min_p_threshold_kernel<T>, p);
 }
 
 }  // namespace specdec
