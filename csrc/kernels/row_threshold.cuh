@@ -10,11 +10,13 @@
 //   (kThrLogBins bins per halving of the probability below M, the last bin catching everything
 //   further down), so that the bins split where the mass is; each later level splits the chosen
 //   bin's key range into kThrBins digits, until the range is one float: at most 2 + 4 levels per
-//   selection, whatever the row. Level 0 lists the entries within 2^-16 of the max; counting
-//   (top-k), it bins only those with shared atomics and counts the rest -- most of a row -- in
-//   registers, and only an answer in that rest takes a second level-0 pass, which bins it. From a
+//   selection, whatever the row. Level 0 first sweeps the slice without histogram atomics: it
+//   lists the entries within 2^-16 of the max and sums the count and mass of the rest -- most of a
+//   row -- in registers; then it bins the list, and only an answer in that rest takes a second
+//   level-0 pass, which bins it (top-p with p >= kThrOnePassTopP bins the row in one pass). From a
 //   list that holds the chosen bin (level 0's, or the one level 1 fills), later levels and the
 //   finish read a handful of entries, not the slice.
+// - min-p alone (no top_k / top_p tensors): row_min_p_threshold_kernel, the row max only.
 // - the finish: once the chosen bin holds at most kThrFinishCap members in the whole cluster (on
 //   most rows right after level 0), every CTA gathers them -- or every member at or above the bin,
 //   when those fit -- and ranks them itself: one pass and one cluster barrier instead of the
@@ -51,10 +53,12 @@ constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probabi
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
 constexpr int kThrListCap = 2048;  // entries of a CTA's short list
 // Level 0 lists the entries of its first kThrListBins bins (probabilities within 2^-16 of the
-// max), so that a pick among them needs no pass over the slice afterwards. Counting (top-k), it
-// bins only those with shared atomics and counts the rest, most of a row, as one bin in
-// registers; only when the answer lies in that rest does a second level-0 pass bin it.
+// max), so that a pick among them needs no pass over the slice afterwards. Its first pass bins
+// only those (from the list) and sums the rest, most of a row, as one bin in registers; only when
+// the answer lies in that rest does a second level-0 pass bin it.
 constexpr int kThrListBins = 256;
+// Top-p from this p on bins level 0 in one pass (its answer is usually below the listed bins).
+constexpr double kThrOnePassTopP = 0.99;
 constexpr int kThrSliceAlign = 8;  // slice lengths are multiples of 8 entries (16-byte loads)
 constexpr int kThrLoadUnroll = 4;  // 16-byte loads in flight per thread while a slice loads
 // A selection finishes on its candidates (the chosen bin's members, or every member at or above
@@ -499,8 +503,10 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   const float k_bins = k * kThrLogBins;
   // Level 0 runs in two passes: the first (sweep_head) lists the bins below kThrListBins and
   // sums the rest -- one bin, the last -- in registers; the list is binned from there. Only an
-  // answer in that rest takes the second pass, which bins it from the slice.
-  const bool two_pass = sel.level0 && sel.bin_from == 0;
+  // answer in that rest takes the second pass, which bins it from the slice. A top-p with p near 1
+  // usually has its answer there, so it bins the whole row in one pass instead
+  // (docs/DECISIONS.md#cuda-threshold-sweep).
+  const bool two_pass = sel.level0 && sel.bin_from == 0 && !(by_mass && goal_fraction >= kThrOnePassTopP);
   // (level 0 starts without a list; its second pass keeps the first's)
   const bool fill_list = !sel.use_list && !(sel.level0 && sel.bin_from != 0);
   const int tail_from = two_pass ? kThrListBins : kThrBins - 1;
