@@ -866,6 +866,26 @@ def test_gpu_cuda_threshold_pass_keeps_the_sorted_definition(vocab, dtype):
 
 @pytest.mark.gpu
 @NEEDS_CUDA_FILTERS
+@pytest.mark.parametrize("vocab", [700, 32000, 128256, 151936])
+@pytest.mark.parametrize("dtype", THRESHOLD_DTYPES)
+def test_gpu_cuda_threshold_pass_big_batch_same_thresholds(vocab, dtype):
+    """A big batch splits each row over half as many CTAs (kThrSmallCluster, where two such CTAs
+    fit an SM): the same integer sums, so the same thresholds bit for bit as the small batch that
+    test_gpu_cuda_threshold_pass_keeps_the_sorted_definition checks against the sorted set."""
+    logits, cu, n, temperature, top_k, top_p, min_p = _threshold_case(vocab, seed=vocab + 2)
+    logits = logits.to(dtype).cuda()
+    B, L, copies = len(n), 4, 6  # 32 slots, then 192: above two waves of 8-CTA clusters on any GPU
+    args = [t.cuda() for t in (temperature, top_k, top_p, min_p)]
+    small = torch.ops.specdec._row_thresholds_cuda(logits, cu.cuda(), *args, False, L).cpu()
+    n_big = n.repeat(copies)
+    cu_big = torch.cat([torch.zeros(1, dtype=torch.int64), n_big.cumsum(0)]).to(torch.int32)
+    big = torch.ops.specdec._row_thresholds_cuda(logits.repeat(copies, 1), cu_big.cuda(),
+                                                 *[t.repeat(copies) for t in args], False, L).cpu()
+    assert torch.equal(big, small.repeat(copies))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA_FILTERS
 @pytest.mark.parametrize("vocab", THRESHOLD_VOCABS)
 @pytest.mark.parametrize("dtype", THRESHOLD_DTYPES)
 def test_gpu_cuda_threshold_pass_min_p_alone(vocab, dtype):

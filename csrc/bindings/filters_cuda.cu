@@ -92,8 +92,7 @@ at::Tensor row_thresholds_cuda(const at::Tensor& target_logits, const at::Tensor
   params.max_rows = tree ? 1 : max_rows;
   params.tree = tree;
   params.vectorized = binding::rows_vectorizable(logits);
-  const int64_t per_cta = (vocab + specdec::kThrCluster - 1) / specdec::kThrCluster;
-  params.slice = (per_cta + specdec::kThrSliceAlign - 1) / specdec::kThrSliceAlign * specdec::kThrSliceAlign;
+  // (params.slice: set by the launcher, which picks the CTAs per row)
   params.thresholds = thresholds.data_ptr<float>();
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();

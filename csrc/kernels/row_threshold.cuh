@@ -1,8 +1,8 @@
 // The sampling filters' threshold pass on CUDA (docs/ALGORITHM.md §7): per target row of a
 // filtered request, the threshold logit t such that the row keeps exactly the logits >= t
 // (top-k, then top-p on what top-k kept, then min-p; t = max of the three). One cluster of
-// kThrCluster CTAs per row; the row is read from global memory once, into the CTAs' shared
-// memory, and every later pass runs there. No sort:
+// kThrCluster CTAs per row (kThrSmallCluster in big batches); the row is read from global memory
+// once, into the CTAs' shared memory, and every later pass runs there. No sort:
 //
 // - the row max M: each CTA's max, combined through distributed shared memory;
 // - top-k / top-p: a radix select of the k-th largest value (by count) and of the largest value v
@@ -37,6 +37,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
 
 #include "kernels/common.cuh"
 #include "kernels/elements.cuh"
@@ -45,13 +46,16 @@ namespace specdec {
 
 constexpr int kThrThreads = 512;  // one bin per thread in the scans
 constexpr int kThrWarps = kThrThreads / 32;
-constexpr int kThrCluster = 8;  // CTAs per row: the portable cluster size
+// CTAs per row: the portable cluster size, or half of it for big batches of 2-byte logits
+// (launch_row_thresholds; docs/DECISIONS.md#cuda-threshold-cluster-size).
+constexpr int kThrCluster = 8;
+constexpr int kThrSmallCluster = 4;
 constexpr int kThrBins = kThrThreads;
 constexpr int kThrDigitBits = 9;  // log2(kThrBins): a sub-level's digit
-constexpr int kThrBinsPerRank = kThrBins / kThrCluster;
+constexpr int kThrMaxBinsPerRank = kThrBins / kThrSmallCluster;
 constexpr float kThrLogBins = 16.0f;  // level-0 bins per halving of the probability
 constexpr float kThrMassUnit = 1099511627776.0f;  // 2^40: fixed-point scale of a token's mass (<= 1)
-constexpr int kThrListCap = 2048;  // entries of a CTA's short list
+constexpr int kThrListCap = 4096;  // entries of a CTA's short list
 // Level 0 lists the entries of its first kThrListBins bins (probabilities within 2^-16 of the
 // max), so that a pick among them needs no pass over the slice afterwards. Its first pass bins
 // only those (from the list) and sums the rest, most of a row, as one bin in registers; only when
@@ -82,7 +86,7 @@ struct RowThresholdParams {
   int64_t max_rows;  // chain: max_spec_len + 1 rows per request (slot = b * max_rows + t)
   bool tree;         // tree: slot = node row
   bool vectorized;   // rows 16-byte aligned: slices load as 16-byte vectors
-  int64_t slice;     // entries per CTA: ceil(vocab / kThrCluster) rounded up to kThrSliceAlign
+  int64_t slice;     // entries per CTA: ceil(vocab / CTAs per row) rounded up to kThrSliceAlign
   float* thresholds;  // [slots]: the threshold logit, -inf for rows that are not filtered
 };
 
@@ -131,12 +135,12 @@ struct Shared {
   // loop that the level's contention retries (docs/DECISIONS.md#cuda-threshold-finish), a 32-bit
   // one is one instruction. mass = mass_hi * 2^32 + mass_lo, the low half's wraps carried up.
   unsigned int mass_lo[kThrBins], mass_hi[kThrBins];
-  // The cluster's histogram, bins [rank * kThrBinsPerRank, ...) on CTA `rank`: the CTAs add theirs
+  // The cluster's histogram, bins [rank * bins_per_rank, ...) on CTA `rank`: the CTAs add theirs
   // into it with distributed-shared-memory atomics. Three buffers, level L using L % 3: one
   // cluster barrier per level suffices (a buffer is zeroed by its owner one level before its use,
   // after everyone has read it two levels before).
-  unsigned int red_cnt[3][kThrBinsPerRank];
-  unsigned long long red_mass[3][kThrBinsPerRank];
+  unsigned int red_cnt[3][kThrMaxBinsPerRank];
+  unsigned long long red_mass[3][kThrMaxBinsPerRank];
   uint32_t list[kThrListCap];
   int list_n;
   // The finish: this CTA's gathered candidates (read by the whole cluster), then all of them.
@@ -416,13 +420,14 @@ __device__ int gather_candidates(cooperative_groups::cluster_group& cluster, Sha
     for_each_entry(slice, n, append);
   }
   cluster.sync();
-  if (threadIdx.x < kThrCluster) {
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  if (threadIdx.x < ranks) {
     sm.fin_rank_n[threadIdx.x] = min(cluster.map_shared_rank(&sm.fin_n, static_cast<int>(threadIdx.x))[0],
                                      kThrFinishCap);
   }
   __syncthreads();
   int total = 0;
-  for (int q = 0; q < kThrCluster; ++q) {
+  for (int q = 0; q < ranks; ++q) {
     const int t = static_cast<int>(threadIdx.x) - total;
     if (t >= 0 && t < sm.fin_rank_n[q] && threadIdx.x < kThrFinishCap) {
       const uint32_t key = cluster.map_shared_rank(&sm.fin_key[0], q)[t];
@@ -518,7 +523,10 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     sm.mass_lo[i] = 0;
     sm.mass_hi[i] = 0;
   }
-  for (int i = threadIdx.x; i < kThrBinsPerRank; i += kThrThreads) {
+  // The cluster's bins live kThrBins / ranks per CTA (a power of two).
+  const int rank_shift = 31 - __clz(kThrBins / static_cast<int>(cluster.num_blocks()));
+  const int rank_mask = (1 << rank_shift) - 1;
+  for (int i = threadIdx.x; i <= rank_mask; i += kThrThreads) {
     sm.red_cnt[(level + 1) % 3][i] = 0;
     sm.red_mass[(level + 1) % 3][i] = 0;
   }
@@ -598,7 +606,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   for (int b = threadIdx.x; b < kThrBins; b += kThrThreads) {
     const unsigned int c = sm.cnt[b];
     if (c != 0) {
-      const int owner = b / kThrBinsPerRank, at = b % kThrBinsPerRank;
+      const int owner = b >> rank_shift, at = b & rank_mask;
       atomicAdd(cluster.map_shared_rank(&sm.red_cnt[rb][at], owner), c);
       if (need_mass) atomicAdd(cluster.map_shared_rank(&sm.red_mass[rb][at], owner), bin_mass(sm, b));
     }
@@ -607,7 +615,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
   // Thread j holds the j-th bin in descending value order (level 0: bin j; later: digit kThrBins - 1 - j).
   const int j = threadIdx.x;
   const int bin = sel.level0 ? j : kThrBins - 1 - j;
-  const int owner = bin / kThrBinsPerRank, at = bin % kThrBinsPerRank;
+  const int owner = bin >> rank_shift, at = bin & rank_mask;
   const unsigned int c_bin = cluster.map_shared_rank(&sm.red_cnt[rb][at], owner)[0];
   const unsigned long long m_bin = cluster.map_shared_rank(&sm.red_mass[rb][at], owner)[0];
   unsigned int c = c_bin;
@@ -771,7 +779,7 @@ __device__ inline uint32_t min_p_key(float row_max, float k, float min_p) {
 
 }  // namespace thr_detail
 
-// One cluster of kThrCluster CTAs per slot (blockIdx.x / kThrCluster); launched with the cluster
+// One cluster of kThrCluster (or kThrSmallCluster) CTAs per slot; launched with the cluster
 // dimension by launch_row_thresholds. Dynamic shared memory: p.slice entries of T. Two CTAs per
 // SM (64 registers): the clusters of many rows share the SMs.
 template <typename T>
@@ -783,7 +791,8 @@ __global__ void __launch_bounds__(kThrThreads, 2) row_threshold_kernel(const Row
   extern __shared__ __align__(16) unsigned char thr_dynamic_smem[];
   T* slice = reinterpret_cast<T*>(thr_dynamic_smem);
   cg::cluster_group cluster = cg::this_cluster();
-  const int64_t slot = blockIdx.x / kThrCluster;
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int64_t slot = blockIdx.x / ranks;
   const int rank = static_cast<int>(cluster.block_rank());
   SlotFilters f;
   // Uniform over the cluster: every CTA returns here, or none does.
@@ -827,15 +836,15 @@ __global__ void __launch_bounds__(kThrThreads, 2) row_threshold_kernel(const Row
     slice[i] = v;
     local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
   }
-  for (int i = threadIdx.x; i < 3 * kThrBinsPerRank; i += kThrThreads) {
-    sm.red_cnt[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
-    sm.red_mass[i / kThrBinsPerRank][i % kThrBinsPerRank] = 0;
+  for (int i = threadIdx.x; i < 3 * kThrMaxBinsPerRank; i += kThrThreads) {
+    sm.red_cnt[i / kThrMaxBinsPerRank][i % kThrMaxBinsPerRank] = 0;
+    sm.red_mass[i / kThrMaxBinsPerRank][i % kThrMaxBinsPerRank] = 0;
   }
   local_max = block_max(local_max, sm);  // (its barriers also publish the slice and the zeros)
   if (threadIdx.x == 0) sm.cta_max = local_max;
   cluster.sync();
   float row_max = -INFINITY;
-  for (int q = 0; q < kThrCluster; ++q) row_max = fmaxf(row_max, cluster.map_shared_rank(&sm.cta_max, q)[0]);
+  for (int q = 0; q < ranks; ++q) row_max = fmaxf(row_max, cluster.map_shared_rank(&sm.cta_max, q)[0]);
   uint32_t t_key = kKeyNegInf;
   if (row_max > -INFINITY) {
     int level = 0;
@@ -871,20 +880,52 @@ __global__ void __launch_bounds__(kThrThreads, 2) row_threshold_kernel(const Row
 #endif
 }
 
+// Entries per CTA when a row is split over `ranks` CTAs (16-byte loads: a multiple of kThrSliceAlign).
+inline int64_t thr_slice(int64_t vocab, int ranks) {
+  const int64_t per_cta = (vocab + ranks - 1) / ranks;
+  return (per_cta + kThrSliceAlign - 1) / kThrSliceAlign * kThrSliceAlign;
+}
+
+// CTAs per row: kThrSmallCluster once the rows outnumber what the GPU runs in about two waves of
+// kThrCluster-CTA clusters (two CTAs per SM) and two such CTAs still fit an SM's shared memory
+// (on an H200: 2-byte logits up to V ~ 190K, fp32 up to ~90K): half the CTAs per row, so half the per-CTA fixed costs, at twice
+// the entries each (docs/DECISIONS.md#cuda-threshold-cluster-size). $SPECDEC_CUDA_THR_CLUSTER = 4
+// or 8 forces one (read once per process; benchmarks' A/B).
 template <typename T>
-cudaError_t launch_row_thresholds(const RowThresholdParams& p, int64_t slots, cudaStream_t stream) {
+int thr_cluster_size(int64_t vocab, int64_t slots) {
+  static const int forced = [] {
+    const char* e = std::getenv("SPECDEC_CUDA_THR_CLUSTER");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  if (forced == kThrCluster || forced == kThrSmallCluster) return forced;
+  int device = 0, sms = 0, smem_per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess) {
+    return kThrCluster;
+  }
+  const int64_t rows_per_wave = 2 * static_cast<int64_t>(sms) / kThrCluster;
+  const int64_t cta_bytes = thr_slice(vocab, kThrSmallCluster) * static_cast<int64_t>(sizeof(T)) +
+                            static_cast<int64_t>(sizeof(thr_detail::Shared)) + 1024;  // (+ the runtime's reserve)
+  return slots > 2 * rows_per_wave && 2 * cta_bytes <= smem_per_sm ? kThrSmallCluster : kThrCluster;
+}
+
+template <typename T>
+cudaError_t launch_row_thresholds(RowThresholdParams p, int64_t slots, cudaStream_t stream) {
+  const int ranks = thr_cluster_size<T>(p.vocab, slots);
+  p.slice = thr_slice(p.vocab, ranks);
   const size_t smem = static_cast<size_t>(p.slice) * sizeof(T);
   cudaError_t err = cudaFuncSetAttribute(row_threshold_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(slots * kThrCluster), 1, 1);
+  config.gridDim = dim3(static_cast<unsigned>(slots * ranks), 1, 1);
   config.blockDim = dim3(kThrThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kThrCluster;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(ranks);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
@@ -970,7 +1011,8 @@ __global__ void __launch_bounds__(kThrMaxThreads, 6) row_min_p_threshold_kernel(
 
 // Launched instead of launch_row_thresholds when p.top_k and p.top_p are null.
 template <typename T>
-cudaError_t launch_row_min_p_thresholds(const RowThresholdParams& p, int64_t slots, cudaStream_t stream) {
+cudaError_t launch_row_min_p_thresholds(RowThresholdParams p, int64_t slots, cudaStream_t stream) {
+  p.slice = thr_slice(p.vocab, kThrCluster);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(slots * kThrCluster), 1, 1);
   config.blockDim = dim3(kThrMaxThreads, 1, 1);
