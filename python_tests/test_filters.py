@@ -30,10 +30,10 @@ P_MIN = 1e-4
 SAMPLES = 20000
 INTERPRETER = TRITON_ON_CPU and not HAS_CUDA and "triton" in gpu_backends()
 # Where the statistical tests run: the reference, and every GPU backend that has the filters (the
-# CUDA C++ kernels need Triton for their threshold pass).
+# CUDA C++ kernels run their own threshold pass, on sm_90+ only).
 DIST_BACKENDS = [("reference", "cpu"), ("cpu", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else []) + (
-    [("cuda", "cuda")] if HAS_CUDA and "triton" in gpu_backends() and ops.cuda_kernel_built()
-    and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE) else [])
+    [("cuda", "cuda")] if HAS_CUDA and ops.cuda_kernel_built() and ops.cuda_kernel_built(ops.TREE_REJECTION_SAMPLE)
+    and ops.cuda_filters_supported(0) else [])
 # Agreement with the reference: the Triton kernel, on the GPU or in the interpreter.
 FUSED = [("cpu", "cpu")] + ([("triton", "cuda")] if HAS_CUDA and "triton" in gpu_backends() else
                              [("triton", "cpu")] if INTERPRETER else [])
