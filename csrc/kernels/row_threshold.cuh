@@ -16,13 +16,13 @@
 //   level-0 pass, which bins it (top-p with p >= kThrOnePassTopP bins the row in one pass). From a
 //   list that holds the chosen bin (level 0's, or the one level 1 fills), later levels and the
 //   finish read a handful of entries, not the slice.
-// - min-p alone (no top_k / top_p tensors): row_min_p_threshold_kernel, the row max only.
 // - the finish: once the chosen bin holds at most kThrFinishCap members in the whole cluster (on
 //   most rows right after level 0), every CTA gathers them -- or every member at or above the bin,
 //   when those fit -- and ranks them itself: one pass and one cluster barrier instead of the
 //   remaining levels. When top-k finished on every member at or above its bin, top-p on what it
 //   kept is read off the same ranked candidates, without a pass of its own.
-// - min-p: closed form, a bisection on the float bits (no memory traffic).
+// - min-p: closed form, a bisection on the float bits (no memory traffic). Min-p alone (no top_k /
+//   top_p tensors) runs row_min_p_threshold_kernel instead, which only reads the row max.
 //
 // Counts and masses are integers (mass: exp2((l - M) k) in fixed point, 2^-40 units), summed
 // with integer atomics: the same thresholds on every run, whatever the atomics' order.
@@ -277,6 +277,17 @@ __device__ __forceinline__ uint32_t least_key(uint32_t top, Pred pred) {
   return a;
 }
 
+// Appends `key` where `take` to a shared-memory list (count: its length, counting past `cap`;
+// entries past cap are dropped), in lane order; called by whole warps: one shared atomic per warp.
+__device__ __forceinline__ void warp_append(bool take, uint32_t key, int& count, uint32_t* list, int cap, int lane) {
+  const unsigned ballot = __ballot_sync(kFullMask, take);
+  int base = 0;
+  if (lane == 0 && ballot != 0) base = atomicAdd(&count, __popc(ballot));
+  base = __shfl_sync(kFullMask, base, 0);
+  const int at = base + __popc(ballot & ((1u << lane) - 1u));
+  if (take && at < cap) list[at] = key;
+}
+
 // Calls visit(valid, x) for the entries [0, n) of a shared-memory slice (x sanitized), in whole
 // warps: every lane of a warp makes the same number of calls (valid = false past the end), so that
 // `visit` may use warp votes. 16-byte loads (the slices start 16-byte aligned), then the ragged end.
@@ -402,12 +413,7 @@ __device__ int gather_candidates(cooperative_groups::cluster_group& cluster, Sha
   auto append = [&](bool valid, float x) {
     const uint32_t key = key_of(x);
     const bool take = valid && range.holds(key, x);
-    const unsigned ballot = __ballot_sync(kFullMask, take);
-    int base = 0;
-    if (lane == 0 && ballot != 0) base = atomicAdd(&sm.fin_n, __popc(ballot));
-    base = __shfl_sync(kFullMask, base, 0);
-    const int at = base + __popc(ballot & ((1u << lane) - 1u));
-    if (take && at < kThrFinishCap) sm.fin_key[at] = key;
+    warp_append(take, key, sm.fin_n, sm.fin_key, kThrFinishCap, lane);
   };
   if (from_list) {
     const int count = sm.list_n;
@@ -555,12 +561,7 @@ __device__ bool select_level(cooperative_groups::cluster_group& cluster, Shared&
     }
     if (fill_list && !two_pass) {
       const bool listed = member && (!sel.level0 || bin < kThrListBins);
-      const unsigned ballot = __ballot_sync(kFullMask, listed);
-      int base = 0;
-      if (lane == 0 && ballot != 0) base = atomicAdd(&sm.list_n, __popc(ballot));
-      base = __shfl_sync(kFullMask, base, 0);
-      const int at = base + __popc(ballot & ((1u << lane) - 1u));
-      if (listed && at < kThrListCap) sm.list[at] = key;
+      warp_append(listed, key, sm.list_n, sm.list, kThrListCap, lane);
     }
     // Level 0's tail is summed in registers; the other bins with shared atomics.
     const bool tail = member && sel.level0 && bin >= tail_from;
@@ -775,6 +776,54 @@ __device__ inline uint32_t min_p_key(float row_max, float k, float min_p) {
   return least_key(key_of(row_max), [&](float v) { return (v - row_max) * k >= goal; });
 }
 
+// This CTA's share of slot f's row: `rank` of the cluster's CTAs, p.slice entries each (fewer or
+// none at the row's end); *n gets its length.
+template <typename T>
+__device__ __forceinline__ const T* slice_source(const RowThresholdParams& p, const SlotFilters& f, int rank, int* n) {
+  const int64_t start = static_cast<int64_t>(rank) * p.slice;
+  const int64_t left = p.vocab - start;
+  *n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
+  return static_cast<const T*>(p.logits) + f.row * p.row_stride + start;
+}
+
+// The max of a slice's n entries (sanitized), read with kUnroll 16-byte loads in flight per thread
+// when the rows are 16-byte aligned; kStore also copies the slice to `dst` (shared memory).
+template <int kThreads, int kUnroll, bool kStore, typename T>
+__device__ __forceinline__ float load_slice_max(const T* src, int n, bool vectorized, T* dst) {
+  float local_max = -INFINITY;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  int done = 0;
+  if (vectorized) {
+    // All kUnroll loads are issued before any is used: a slice is a few of them.
+    const int n_vec = n / kVec;
+    for (int base = threadIdx.x; base < n_vec; base += kThreads * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * kThreads;
+        v[u] = i < n_vec ? __ldcg(reinterpret_cast<const uint4*>(src) + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * kThreads;
+        if (i < n_vec) {
+          if constexpr (kStore) reinterpret_cast<uint4*>(dst)[i] = v[u];
+          const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+          for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
+        }
+      }
+    }
+    done = n_vec * kVec;
+  }
+  for (int i = done + threadIdx.x; i < n; i += kThreads) {
+    const T v = src[i];
+    if constexpr (kStore) dst[i] = v;
+    local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
+  }
+  return local_max;
+}
+
 #endif  // __CUDA_ARCH__ >= 900
 
 }  // namespace thr_detail
@@ -801,41 +850,9 @@ __global__ void __launch_bounds__(kThrThreads, 2) row_threshold_kernel(const Row
     return;
   }
   // This CTA's slice of the row, into shared memory; its max.
-  const int64_t start = static_cast<int64_t>(rank) * p.slice;
-  const int64_t left = p.vocab - start;
-  const int n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
-  const T* src = static_cast<const T*>(p.logits) + f.row * p.row_stride + start;
-  float local_max = -INFINITY;
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  int done = 0;
-  if (p.vectorized) {
-    // kThrLoadUnroll loads in flight per thread before any is used: a slice is a few of them.
-    const int n_vec = n / kVec;
-    for (int base = threadIdx.x; base < n_vec; base += kThrThreads * kThrLoadUnroll) {
-      uint4 v[kThrLoadUnroll];
-#pragma unroll
-      for (int u = 0; u < kThrLoadUnroll; ++u) {
-        const int i = base + u * kThrThreads;
-        v[u] = i < n_vec ? __ldcg(reinterpret_cast<const uint4*>(src) + i) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int u = 0; u < kThrLoadUnroll; ++u) {
-        const int i = base + u * kThrThreads;
-        if (i < n_vec) {
-          reinterpret_cast<uint4*>(slice)[i] = v[u];
-          const T* e = reinterpret_cast<const T*>(&v[u]);
-#pragma unroll
-          for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
-        }
-      }
-    }
-    done = n_vec * kVec;
-  }
-  for (int i = done + threadIdx.x; i < n; i += kThrThreads) {
-    const T v = src[i];
-    slice[i] = v;
-    local_max = fmaxf(local_max, rs_detail::sanitize(to_float(v)));
-  }
+  int n;
+  const T* src = slice_source<T>(p, f, rank, &n);
+  float local_max = load_slice_max<kThrThreads, kThrLoadUnroll, true>(src, n, p.vectorized, slice);
   for (int i = threadIdx.x; i < 3 * kThrMaxBinsPerRank; i += kThrThreads) {
     sm.red_cnt[i / kThrMaxBinsPerRank][i % kThrMaxBinsPerRank] = 0;
     sm.red_mass[i / kThrMaxBinsPerRank][i % kThrMaxBinsPerRank] = 0;
@@ -910,17 +927,13 @@ int thr_cluster_size(int64_t vocab, int64_t slots) {
   return slots > 2 * rows_per_wave && 2 * cta_bytes <= smem_per_sm ? kThrSmallCluster : kThrCluster;
 }
 
-template <typename T>
-cudaError_t launch_row_thresholds(RowThresholdParams p, int64_t slots, cudaStream_t stream) {
-  const int ranks = thr_cluster_size<T>(p.vocab, slots);
-  p.slice = thr_slice(p.vocab, ranks);
-  const size_t smem = static_cast<size_t>(p.slice) * sizeof(T);
-  cudaError_t err = cudaFuncSetAttribute(row_threshold_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
+// One cluster of `ranks` CTAs per slot.
+template <typename Kernel>
+cudaError_t launch_clusters(Kernel kernel, const RowThresholdParams& p, int64_t slots, int ranks, int threads,
+                            size_t smem, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(slots * ranks), 1, 1);
-  config.blockDim = dim3(kThrThreads, 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -930,7 +943,18 @@ cudaError_t launch_row_thresholds(RowThresholdParams p, int64_t slots, cudaStrea
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, row_threshold_kernel<T>, p);
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
+template <typename T>
+cudaError_t launch_row_thresholds(RowThresholdParams p, int64_t slots, cudaStream_t stream) {
+  const int ranks = thr_cluster_size<T>(p.vocab, slots);
+  p.slice = thr_slice(p.vocab, ranks);
+  const size_t smem = static_cast<size_t>(p.slice) * sizeof(T);
+  cudaError_t err = cudaFuncSetAttribute(row_threshold_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  return launch_clusters(row_threshold_kernel<T>, p, slots, ranks, kThrThreads, smem, stream);
 }
 
 // Min-p alone (top_k and top_p not given): the threshold needs only the row max, so a cluster of
@@ -956,36 +980,9 @@ __global__ void __launch_bounds__(kThrMaxThreads, 6) row_min_p_threshold_kernel(
     if (rank == 0 && threadIdx.x == 0) p.thresholds[slot] = -INFINITY;
     return;
   }
-  const int64_t start = static_cast<int64_t>(rank) * p.slice;
-  const int64_t left = p.vocab - start;
-  const int n = static_cast<int>(left <= 0 ? 0 : (left < p.slice ? left : p.slice));
-  const T* src = static_cast<const T*>(p.logits) + f.row * p.row_stride + start;
-  float local_max = -INFINITY;
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  int done = 0;
-  if (p.vectorized) {
-    const int n_vec = n / kVec;
-    for (int base = threadIdx.x; base < n_vec; base += kThrMaxThreads * kThrMaxUnroll) {
-      uint4 v[kThrMaxUnroll];
-#pragma unroll
-      for (int u = 0; u < kThrMaxUnroll; ++u) {
-        const int i = base + u * kThrMaxThreads;
-        v[u] = i < n_vec ? __ldcg(reinterpret_cast<const uint4*>(src) + i) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int u = 0; u < kThrMaxUnroll; ++u) {
-        if (base + u * kThrMaxThreads < n_vec) {
-          const T* e = reinterpret_cast<const T*>(&v[u]);
-#pragma unroll
-          for (int q = 0; q < kVec; ++q) local_max = fmaxf(local_max, rs_detail::sanitize(to_float(e[q])));
-        }
-      }
-    }
-    done = n_vec * kVec;
-  }
-  for (int i = done + threadIdx.x; i < n; i += kThrMaxThreads) {
-    local_max = fmaxf(local_max, rs_detail::sanitize(to_float(src[i])));
-  }
+  int n;
+  const T* src = slice_source<T>(p, f, rank, &n);
+  float local_max = load_slice_max<kThrMaxThreads, kThrMaxUnroll, false>(src, n, p.vectorized, static_cast<T*>(nullptr));
   for (int o = 16; o > 0; o >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(kFullMask, local_max, o));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = local_max;
   __syncthreads();
@@ -1013,19 +1010,7 @@ __global__ void __launch_bounds__(kThrMaxThreads, 6) row_min_p_threshold_kernel(
 template <typename T>
 cudaError_t launch_row_min_p_thresholds(RowThresholdParams p, int64_t slots, cudaStream_t stream) {
   p.slice = thr_slice(p.vocab, kThrCluster);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(slots * kThrCluster), 1, 1);
-  config.blockDim = dim3(kThrMaxThreads, 1, 1);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kThrCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, row_min_p_threshold_kernel<T>, p);
+  return launch_clusters(row_min_p_threshold_kernel<T>, p, slots, kThrCluster, kThrMaxThreads, 0, stream);
 }
 
 }  // namespace specdec
